@@ -1,0 +1,52 @@
+"""xshard: PyTorch programs on XLA devices, sharded over a mesh.
+
+Quick start:
+    >>> import torch, xshard
+    >>> dev = xshard.device()
+    >>> x = torch.randn(4, 4, device=dev)
+    >>> y = (x @ x).relu()
+    >>> xshard.sync()          # compiles once, then reuses
+    >>> print(y.cpu())         # doctest: +SKIP
+"""
+
+from xshard.core import runtime
+from xshard.core.runtime import (device_count, devices, initialize, process_count,  # noqa: F401
+                                 process_index)
+from xshard.core import device as _device
+from xshard.core import debug, metrics  # noqa: F401
+from xshard.core.graph import sync as _sync, wait_all as _wait_all
+
+_device.register()
+
+device = _device.device
+__version__ = "0.1.0"
+
+
+def sync(wait: bool = False) -> None:
+    """Runs all pending work as one compiled graph (compiled once, then reused).
+
+    Returns as soon as the work is dispatched; reading a value waits for it.
+
+    Args:
+        wait: block until the work has finished (for timing).
+    """
+    _sync(wait=wait)
+
+
+mark_step = sync
+
+
+def wait() -> None:
+    """Blocks until all dispatched work has finished."""
+    _wait_all()
+
+
+def manual_seed(seed: int) -> None:
+    """Seeds the device random stream (``torch.manual_seed`` does this too)."""
+    from xshard.core import rng
+
+    rng.manual_seed(seed)
+
+
+__all__ = ["device", "devices", "device_count", "process_index", "process_count", "initialize",
+           "sync", "mark_step", "wait", "manual_seed", "metrics", "debug", "runtime"]

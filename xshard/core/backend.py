@@ -1,0 +1,88 @@
+"""The xshard device type: PyTorch's PrivateUse1 key, renamed ``xshard``, with a Python backend.
+
+Registered once, when xshard is imported, before any ``torch.device('xshard')`` exists. torch_xla uses
+its own ``XLA`` key, so both can live in one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.backend_registration as backend_registration
+
+DEVICE_TYPE = "xshard"
+
+
+def _rng():
+    from xshard.core import rng
+
+    return rng
+
+
+def _graph():
+    from xshard.core import graph
+
+    return graph
+
+
+class _DeviceModule:
+    """What ``torch.xshard`` answers (PyTorch asks it about seeds, availability and counts)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1  # one logical device; shardings spread its tensors over the physical ones
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        _rng().manual_seed(seed)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        _rng().manual_seed(seed)
+
+    @staticmethod
+    def initial_seed() -> int:
+        return _rng().initial_seed()
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        _graph().sync(wait=True)
+
+    @staticmethod
+    def get_amp_supported_dtype():
+        return [torch.float16, torch.bfloat16]
+
+
+class DeviceRegistrationError(RuntimeError):
+    pass
+
+
+def register_device_type() -> None:
+    current = torch._C._get_privateuse1_backend_name()
+    if current == DEVICE_TYPE:
+        return
+    if current != "privateuseone":
+        raise DeviceRegistrationError(
+            f"PyTorch's PrivateUse1 device is already registered as {current!r} by another "
+            f"library in this process; xshard needs it as {DEVICE_TYPE!r}. Import xshard before "
+            f"that library, or run them in separate processes.")
+    backend_registration._setup_privateuseone_for_python_backend(
+        rename=DEVICE_TYPE, backend_module=_DeviceModule())
+
+
+register_device_type()

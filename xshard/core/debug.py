@@ -1,0 +1,44 @@
+"""The HLO of pending work, before and after XLA's passes.
+
+Example:
+    >>> y = (x @ w).relu()
+    >>> print(xshard.debug.hlo_text([y]))            # doctest: +SKIP
+    >>> print(xshard.debug.compiled_hlo_text([y]))   # collectives inserted by the partitioner
+"""
+
+from __future__ import annotations
+
+from xshard.core import graph
+from xshard.core.tensor import XTensor
+
+
+def _graph(tensors) -> "graph.Graph":
+    if isinstance(tensors, XTensor):
+        tensors = [tensors]
+    nodes = []
+    for t in tensors:
+        if not isinstance(t, XTensor):
+            raise TypeError(f"expected xshard tensors, got {type(t).__name__}; move it with "
+                            f".to(xshard.device()) first")
+        nodes.append(t._value())
+    return graph.Graph(nodes)
+
+
+def hlo_text(tensors) -> str:
+    """HLO text of the graph computing ``tensors`` as handed to XLA (with sharding attributes)."""
+    return graph._lower(_graph(tensors)).as_text(dialect="hlo")
+
+
+def stablehlo_text(tensors) -> str:
+    """The same program in StableHLO (with Shardy sharding attributes)."""
+    return graph._lower(_graph(tensors)).as_text()
+
+
+def compiled_hlo_text(tensors) -> str:
+    """HLO text after XLA's passes, SPMD partitioning included (the collectives are visible)."""
+    return graph._lower(_graph(tensors)).compile().as_text()
+
+
+def memory_analysis(tensors):
+    """XLA's compiled memory statistics for the graph computing ``tensors`` (per device)."""
+    return graph._lower(_graph(tensors)).compile().memory_analysis()

@@ -1,0 +1,40 @@
+"""Kernels of the xshard device: factories called with ``device=xshard`` record nodes."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from xshard.core import dispatch
+from xshard.core.tensor import DEVICE, XTensor
+
+
+_LIB = None
+
+
+@functools.cache
+def register() -> None:
+    """Registers the factory kernels of the xshard device and tells torch.optim about XTensor."""
+    global _LIB
+    _LIB = torch.library.Library("aten", "IMPL")
+    for name in dispatch.FACTORIES:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        _LIB.impl(name, _factory_kernel(op), "PrivateUse1")
+    # torch.optim picks its fast foreach implementation only for tensor types it knows.
+    from torch.optim import optimizer
+
+    if XTensor not in optimizer._foreach_supported_types:
+        optimizer._foreach_supported_types.append(XTensor)
+
+
+def _factory_kernel(op):
+    def kernel(*args, **kwargs):
+        return dispatch.factory(op, args, kwargs)
+    return kernel
+
+
+def device() -> torch.device:
+    """The xshard device (``xshard:0``): one logical device over all the physical ones."""
+    return DEVICE

@@ -1,0 +1,552 @@
+"""Recording aten ops: what ``XTensor.__torch_dispatch__`` and the device's factory kernels do.
+
+Each op call becomes an IR node; nothing runs. The path of one call:
+
+1. special ops (copies, transfers, reads, aliases) have their own handler;
+2. ops that write an argument (``add_``, ``out=``, running-stat updates) are computed through their
+   functional twin, and the result is written into the argument (see [Note: cells and views]);
+3. functional ops with a lowering rule become a node: output shapes, strides and dtypes come from
+   PyTorch's own meta kernels, cached per call signature;
+4. ops without a rule run PyTorch's decomposition for them, which records simpler ops;
+5. as a last resort an op runs eagerly on CPU (counted in metrics, warned once by name).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch._decomp import decomposition_table
+
+from xshard.core import ir, lowering, metrics, rng
+from xshard.core import tensor as xt
+from xshard.core.tensor import XTensor, ViewStep
+
+aten = torch.ops.aten
+
+
+class DeviceMismatchError(RuntimeError):
+    pass
+
+
+# -- per-op facts, computed once per overload ---------------------------------------------------
+
+
+class OpInfo_:
+    """What the recorder needs to know about one aten overload."""
+
+    __slots__ = ("positional_dynamic", "kw_dynamic", "written", "out_names", "random", "inplace",
+                 "functional", "has_rule", "view")
+
+    def __init__(self, func):
+        schema = func._schema
+        args = schema.arguments
+        static_scalars = func.overloadpacket in _STATIC_SCALAR_OPS or "upsample" in schema.name
+        self.positional_dynamic = []
+        self.kw_dynamic = {}
+        for a in args:
+            dyn = None if static_scalars else _dynamic_kind(a)
+            if not a.kwarg_only:
+                self.positional_dynamic.append(dyn)
+            self.kw_dynamic[a.name] = dyn
+        self.positional_dynamic = tuple(self.positional_dynamic)
+        self.written = tuple(a.name for a in args if a.alias_info is not None and a.alias_info.is_write)
+        self.out_names = tuple(a.name for a in args if a.is_out)
+        self.random = torch.Tag.nondeterministic_seeded in func.tags
+        self.inplace = bool(self.written) and not self.out_names and schema.name.endswith("_")
+        self.functional = _functional_twin(func, self) if self.written else None
+        self.has_rule = lowering.has_rule(func)
+        self.view = func in VIEW_OPS
+
+
+def _dynamic_kind(arg):
+    """Scalar arguments that enter the graph as inputs: (default value,) or None when static."""
+    type_str = str(arg.type)
+    if type_str in ("number", "Optional[number]", "float", "Optional[float]", "List[number]",
+                    "List[float]"):
+        return (arg.default_value if arg.has_default_value() else _NO_DEFAULT,)
+    return None
+
+
+_NO_DEFAULT = object()
+# Ops whose Scalar arguments shape the program, so they stay compile-time constants.
+_STATIC_SCALAR_OPS = {aten.arange, aten.linspace, aten.logspace, aten.pow, aten.float_power,
+                      aten.full_like, aten.round, aten.quantile, aten.nanquantile,
+                      aten.histc, aten.bucketize, aten.renorm, aten.norm, aten.linalg_vector_norm,
+                      aten.special_zeta, aten.polygamma, aten.mvlgamma, aten._cdist_forward,
+                      aten.cdist}
+
+
+def _functional_twin(func, info):
+    """The functional overload packet computing what an in-place/out/mutating op writes."""
+    name = func._schema.name.split("::")[1]
+    if info.inplace:
+        base = name[:-1]
+        special = {"normal_": "normal_functional", "bernoulli_": "bernoulli",
+                   "resize_": None, "set_": None}
+        base = special.get(name, base)
+        if base is None:
+            return None
+        return getattr(aten, base, None)
+    if info.out_names:
+        return getattr(aten, name, None)
+    return getattr(aten, name + "_functional", None)
+
+
+@functools.cache
+def op_info(func) -> OpInfo_:
+    return OpInfo_(func)
+
+
+# -- freezing arguments into a static template plus inputs --------------------------------------
+
+
+class _Recording:
+    """Collects a call's graph inputs while its arguments are frozen into a hashable template."""
+
+    __slots__ = ("inputs", "meta_key")
+
+    def __init__(self):
+        self.inputs = []
+        self.meta_key = []
+
+    def tensor(self, t):
+        if type(t) is XTensor or isinstance(t, XTensor):
+            node = t._value()
+            self.meta_key.append((t.shape, t.stride(), t.dtype))
+        else:
+            node = _cpu_operand(t)
+            self.meta_key.append(("cpu0", t.dtype))
+        self.inputs.append(node)
+        return ir.Slot(len(self.inputs) - 1)
+
+    def freeze(self, x, dynamic=None):
+        if isinstance(x, torch.Tensor):
+            return self.tensor(x)
+        if isinstance(x, (list, tuple)):
+            if dynamic is not None and x and all(type(v) in _SCALAR_TYPES for v in x):
+                return tuple(self.freeze(v, dynamic) for v in x)
+            return tuple(self.freeze(v) for v in x)
+        if dynamic is not None and type(x) in _SCALAR_TYPES:
+            default = dynamic[0]
+            if default is _NO_DEFAULT or x != default or type(x) is not type(default):
+                self.inputs.append(ir.scalar_node(x))
+                self.meta_key.append(type(x))
+                return ir.Slot(len(self.inputs) - 1)
+        if isinstance(x, torch.Generator):
+            raise TypeError(
+                "xshard random ops draw from the device's own stream; pass generator=None and seed "
+                "it with torch.manual_seed(seed).")
+        self.meta_key.append(x)
+        return x
+
+
+_SCALAR_TYPES = (bool, int, float, complex)
+
+
+def _cpu_operand(t: torch.Tensor) -> ir.Node:
+    """A CPU tensor passed to a device op: allowed when 0-dim (uploaded as an input), as with CUDA."""
+    if t.device.type == "cpu" and t.dim() == 0:
+        from xshard.core import graph
+
+        return graph.upload_node(t)
+    raise DeviceMismatchError(
+        f"Expected all tensors to be on the same device, but found at least two devices, "
+        f"{xt.DEVICE} and {t.device} (a tensor of shape {tuple(t.shape)}). Move it with "
+        f"t.to(xshard.device()) first; only 0-dim CPU tensors may be mixed with device tensors.")
+
+
+def _freeze_call(func, info, args, kwargs):
+    rec = _Recording()
+    dyn = info.positional_dynamic
+    targs = tuple(rec.freeze(a, dyn[i] if i < len(dyn) else None) for i, a in enumerate(args))
+    tkwargs = tuple((k, rec.freeze(v, info.kw_dynamic.get(k))) for k, v in kwargs.items()
+                    if not (k == "generator" and v is None))
+    return (targs, tkwargs), rec
+
+
+# -- meta inference -----------------------------------------------------------------------------
+
+
+_META_CACHE: dict = {}
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        if isinstance(x, XTensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return torch.empty((), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device) and x.type == xt.DEVICE_TYPE:
+        return torch.device("meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    return x
+
+
+def _meta_outputs(func, args, kwargs, key):
+    """(shape, stride, dtype) per output as PyTorch computes them, or a non-tensor structure."""
+    cached = _META_CACHE.get(key)
+    if cached is not None:
+        return cached
+    margs = _to_meta(args)
+    mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+    out = func(*margs, **mkwargs)
+    spec = _describe(out)
+    _META_CACHE[key] = spec
+    return spec
+
+
+def _describe(out):
+    if isinstance(out, torch.Tensor):
+        return ("t", tuple(out.shape), tuple(out.stride()), out.dtype, out.storage_offset())
+    if isinstance(out, (list, tuple)):
+        return ("seq", type(out), tuple(_describe(o) for o in out))
+    return ("const", out)
+
+
+# -- the dispatcher -------------------------------------------------------------------------------
+
+
+def dispatch(func, args, kwargs):
+    handler = _SPECIAL.get(func)
+    if handler is not None:
+        return handler(func, args, kwargs)
+    info = op_info(func)
+    if info.written:
+        return _mutating(func, info, args, kwargs)
+    if info.view:
+        return _view(func, info, args, kwargs)
+    if info.has_rule:
+        return record(func, info, args, kwargs)
+    decomposition = decomposition_table.get(func)
+    if decomposition is not None:
+        out = decomposition(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    return cpu_fallback(func, args, kwargs)
+
+
+def record(func, info, args, kwargs):
+    """Records a functional op with a lowering rule as a node and returns its result tensors."""
+    template, rec = _freeze_call(func, info, args, kwargs)
+    try:
+        spec = _meta_outputs(func, args, kwargs, (func, tuple(rec.meta_key)))
+    except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException):
+        return cpu_fallback(func, args, kwargs)
+    inputs = rec.inputs
+    if info.random:
+        inputs.append(rng.next_key())
+        template = (template[0], template[1] + (("_key", ir.Slot(len(inputs) - 1)),))
+    return _wrap_outputs(func, tuple(inputs), template, spec)
+
+
+def _wrap_outputs(func, inputs, template, spec):
+    if spec[0] == "t":
+        _, shape, stride, dtype, _ = spec
+        return xt.new_base(ir.Node(func, inputs, template, shape, dtype), stride)
+    if spec[0] == "seq":
+        outs = spec[2]
+        metas = tuple((o[1], o[3]) if o[0] == "t" else None for o in outs)
+        multi = ir.Node(func, inputs, template, outputs=metas)
+        results = [xt.new_base(ir.output_node(multi, i), o[2]) if o[0] == "t" else o[1]
+                   for i, o in enumerate(outs)]
+        return spec[1](results)
+    return spec[1]
+
+
+def _mutating(func, info, args, kwargs):
+    """In-place, out= and other mutating ops: compute through the functional twin, then write."""
+    functional = info.functional
+    if functional is None:
+        return cpu_fallback(func, args, kwargs)
+    bound = _bind(func, args, kwargs)
+    # Let PyTorch's meta kernel validate the call (broadcast into self, dtype cast rules, overlap).
+    template, rec = _freeze_call(func, info, args, kwargs)
+    try:
+        _meta_outputs(func, args, kwargs, (func, tuple(rec.meta_key)))
+    except NotImplementedError:
+        pass
+    if info.out_names:
+        fargs = {k: v for k, v in bound.items() if k not in info.out_names}
+        result = functional(**fargs)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        outs = [bound[name] for name in info.out_names]
+        for dst, src in zip(outs, results):
+            _write(dst, src)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    if info.inplace:
+        result = functional(*args, **kwargs)
+        target = args[0]
+        if isinstance(target, (list, tuple)):
+            for dst, src in zip(target, result):
+                _write(dst, src)
+            return None
+        _write(target, result)
+        return target
+    # A functional twin returns the op's own outputs followed by the new value of each written arg.
+    result = functional(**{k: v for k, v in bound.items()})
+    n_written = len(info.written)
+    for name, new in zip(info.written, result[len(result) - n_written:]):
+        _write(bound[name], new)
+    own = result[: len(result) - n_written]
+    return own[0] if len(own) == 1 else tuple(own)
+
+
+def _bind(func, args, kwargs) -> dict:
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _write(dst, src):
+    """Writes tensor ``src`` into ``dst`` as an in-place op would (cast to dst's dtype)."""
+    if not isinstance(dst, XTensor):
+        raise DeviceMismatchError(
+            f"Cannot write an xshard result into a {dst.device} tensor in place; move it with "
+            f".to(xshard.device()) first.")
+    value = src._value() if isinstance(src, XTensor) else _cpu_operand(src)
+    if tuple(value.shape) != tuple(dst.shape):
+        if tuple(dst.shape) != tuple(torch.broadcast_shapes(value.shape, dst.shape)):
+            raise RuntimeError(
+                f"xshard cannot resize an out= tensor of shape {tuple(dst.shape)} to "
+                f"{tuple(value.shape)}; pass an out tensor of the result's shape, or use the "
+                f"functional form.")
+        value = expand(value, dst.shape)
+    if value.dtype != dst.dtype:
+        value = convert(value, dst.dtype)
+    dst._assign(value)
+
+
+def expand(value: ir.Node, shape) -> ir.Node:
+    shape = tuple(shape)
+    return ir.Node(aten.expand.default, (value,), ((ir.Slot(0), shape), ()), shape, value.dtype)
+
+
+def convert(value: ir.Node, dtype) -> ir.Node:
+    return ir.Node(aten._to_copy.default, (value,), ((ir.Slot(0),), (("dtype", dtype),)),
+                   value.shape, dtype)
+
+
+# -- views -----------------------------------------------------------------------------------------
+
+VIEW_OPS = {
+    aten.view.default, aten._reshape_alias.default, aten.unsqueeze.default, aten.squeeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.select.int, aten.slice.Tensor,
+    aten.diagonal.default, aten.as_strided.default, aten.permute.default, aten.transpose.int,
+    aten.t.default, aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.unbind.int, aten.unfold.default, aten.view.dtype,
+}
+
+
+def _view(func, info, args, kwargs):
+    base = args[0]
+    template, rec = _freeze_call(func, info, args, kwargs)
+    spec = _meta_outputs(func, args, kwargs, (func, tuple(rec.meta_key)))
+    if len(rec.inputs) != 1:  # a view op with a tensor-valued static argument: not aliasing-safe
+        return _wrap_outputs(func, tuple(rec.inputs), template, spec)
+    if spec[0] == "t":
+        return _make_view(base, func, template, spec)
+    # split / split_with_sizes / unbind: each output is a slice or select of the base.
+    dim = _split_dim(func, args, kwargs, base.dim())
+    outs = []
+    start = 0
+    for i, o in enumerate(spec[2]):
+        if func is aten.unbind.int:
+            step_op, step_t = aten.select.int, ((ir.Slot(0), dim, i), ())
+        else:
+            length = o[1][dim]
+            step_op, step_t = aten.slice.Tensor, ((ir.Slot(0), dim, start, start + length, 1), ())
+            start += length
+        outs.append(_make_view(base, step_op, step_t, o))
+    return spec[1](outs)
+
+
+def _split_dim(func, args, kwargs, ndim):
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    dim = bound.get("dim", 0)
+    return dim % max(ndim, 1)
+
+
+def _make_view(base: XTensor, op, template, spec) -> XTensor:
+    _, shape, stride, dtype, offset = spec
+    step = ViewStep(op, template, shape, dtype, tuple(base.shape))
+    return XTensor(base._cell, base._chain + (step,), shape, stride, dtype, storage_offset=offset)
+
+
+def _alias(func, args, kwargs):
+    t = args[0]
+    return XTensor(t._cell, t._chain, t.shape, t.stride(), t.dtype,
+                   storage_offset=t.storage_offset())
+
+
+# -- transfers, copies and reads --------------------------------------------------------------------
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, XTensor):
+        value = src._value() if isinstance(src, XTensor) else _upload_any(src)
+        if tuple(value.shape) != tuple(dst.shape):
+            torch.broadcast_shapes(value.shape, dst.shape)  # raises PyTorch's own error
+            value = expand(value, dst.shape)
+        if value.dtype != dst.dtype:
+            value = convert(value, dst.dtype)
+        dst._assign(value)
+        return dst
+    from xshard.core import graph
+
+    dst.copy_(graph.to_cpu(src))
+    return dst
+
+
+def _upload_any(t: torch.Tensor) -> ir.Node:
+    from xshard.core import graph
+
+    if t.device.type == "meta":
+        raise DeviceMismatchError("Cannot copy a meta tensor to an xshard device: it has no data.")
+    return graph.upload_node(t)
+
+
+def _to_copy(func, args, kwargs):
+    src = args[0]
+    device = kwargs.get("device")
+    dtype = kwargs.get("dtype") or src.dtype
+    if device is not None and torch.device(device).type != xt.DEVICE_TYPE:
+        from xshard.core import graph
+
+        out = graph.to_cpu(src).to(device=device, dtype=dtype)
+        if kwargs.get("memory_format") not in (None, torch.preserve_format):
+            out = out.contiguous(memory_format=kwargs["memory_format"])
+        return out
+    value = src._value()
+    if dtype != value.dtype:
+        value = convert(value, dtype)
+    else:
+        value = ir.Node(aten.clone.default, (value,), ((ir.Slot(0),), ()), value.shape,
+                        value.dtype)
+    memory_format = kwargs.get("memory_format")
+    stride = None
+    if memory_format in (None, torch.preserve_format) and src.is_contiguous():
+        stride = src.stride()
+    elif memory_format is not None and memory_format is not torch.preserve_format:
+        stride = torch.empty(src.shape, device="meta").contiguous(
+            memory_format=memory_format).stride()
+    return xt.new_base(value, stride)
+
+
+def _local_scalar_dense(func, args, kwargs):
+    from xshard.core import graph
+
+    return graph.to_cpu(args[0]).item()
+
+
+def _no_op(func, args, kwargs):
+    return args[0]
+
+
+_SPECIAL = {
+    aten.copy_.default: _copy_,
+    aten._to_copy.default: _to_copy,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.lift_fresh.default: _alias,
+    aten._has_compatible_shallow_copy_type.default: lambda f, a, k: True,
+    aten.is_pinned.default: lambda f, a, k: False,
+    aten.record_stream.default: lambda f, a, k: None,
+}
+
+
+# -- factories on the device -------------------------------------------------------------------
+
+
+def factory(func, args, kwargs):
+    """Kernel for factory ops called with ``device=xshard``: a node, no data transfer."""
+    kwargs = dict(kwargs)
+    for k in ("device", "layout", "pin_memory"):
+        kwargs.pop(k, None)
+    meta = func(*args, **kwargs, device="meta")
+    if func not in _FACTORY_KEEP_MEMORY_FORMAT:
+        kwargs.pop("memory_format", None)
+    kwargs["dtype"] = meta.dtype
+    info = op_info(func)
+    template, rec = _freeze_call(func, info, args, kwargs)
+    inputs = rec.inputs
+    if info.random:
+        inputs.append(rng.next_key())
+        template = (template[0], template[1] + (("_key", ir.Slot(len(inputs) - 1)),))
+    node = ir.Node(func, tuple(inputs), template, tuple(meta.shape), meta.dtype)
+    return xt.new_base(node, tuple(meta.stride()))
+
+
+_FACTORY_KEEP_MEMORY_FORMAT: set = set()
+
+FACTORIES = (
+    "empty.memory_format", "empty_strided", "full", "zeros", "ones", "arange.start_step",
+    "eye", "eye.m", "linspace", "logspace", "rand", "randn", "randint", "randint.low",
+    "randperm", "scalar_tensor", "empty_like",
+)
+
+
+# -- the last resort ----------------------------------------------------------------------------
+
+
+_WARNED: set = set()
+
+
+def cpu_fallback(func, args, kwargs):
+    """Runs ``func`` eagerly on CPU copies of the inputs and moves the results back."""
+    from xshard.core import graph
+
+    metrics.count_fallback(str(func))
+    if func not in _WARNED:
+        _WARNED.add(func)
+        warnings.warn(
+            f"xshard has no lowering for {func}; it runs eagerly on CPU (slow: the inputs are "
+            f"computed and copied to the host). Counted in xshard.metrics.snapshot()"
+            f"['cpu_fallbacks'].", stacklevel=3)
+    moved = {}
+
+    def to_host(x):
+        if isinstance(x, XTensor):
+            cpu = graph.to_cpu(x)
+            moved[id(cpu)] = x
+            return cpu
+        if isinstance(x, torch.device) and x.type == xt.DEVICE_TYPE:
+            return torch.device("cpu")
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_host(v) for v in x)
+        return x
+
+    cargs = to_host(args)
+    ckwargs = {k: to_host(v) for k, v in kwargs.items()}
+    out = func(*cargs, **ckwargs)
+    info = op_info(func)
+    if info.written:
+        bound_cpu = _bind(func, cargs, ckwargs)
+        bound_dev = _bind(func, args, kwargs)
+        for name in info.written:
+            cpu_vals, dev_vals = bound_cpu[name], bound_dev[name]
+            pairs = zip(cpu_vals, dev_vals) if isinstance(cpu_vals, (list, tuple)) else [
+                (cpu_vals, dev_vals)]
+            for c, d in pairs:
+                if isinstance(d, XTensor):
+                    d._assign(graph.upload_node(c))
+
+    def to_dev(x):
+        if isinstance(x, torch.Tensor):
+            if id(x) in moved:
+                return moved[id(x)]
+            return xt.new_base(graph.upload_node(x), x.stride() if x.is_contiguous() else None)
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_dev(v) for v in x)
+        return x
+
+    return to_dev(out)
+
+
+xt._dispatch = dispatch

@@ -1,0 +1,334 @@
+"""From pending IR to results: graph building, the executable cache, compilation and execution.
+
+``sync()`` gathers every live tensor with pending work into one graph, keys it by structure, compiles
+it on a cache miss (``jax.jit(...).lower(...).compile()``: XLA propagates shardings and partitions the
+program here) and dispatches it. JAX's dispatch is asynchronous, so ``sync()`` returns as soon as the
+work is queued; the tensors then hold ``jax.Array`` results still in flight, and reading one waits.
+
+[Note: the graph key]
+A graph is linearised in post-order. Each node contributes its structural ``local_hash`` (op, static
+arguments, shape, dtype) and the positions of its inputs; device data contributes its aval and sharding;
+Python scalars their type. Together with the output positions and the donation mask this is the key of
+the executable cache: a step that differs only in data or in scalar values reuses the executable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from xshard.core import ir, metrics, runtime
+from xshard.core.dtypes import numpy_to_torch, to_numpy_dtype, torch_to_numpy
+from xshard.core.lowering import RULES
+from xshard.core.tensor import LIVE_CELLS, XTensor
+
+jax = runtime.jax_module()
+from jax._src.lax import lax as _lax_internal  # noqa: E402
+
+log = logging.getLogger("xshard")
+
+
+class LoweringError(RuntimeError):
+    pass
+
+
+# -- placement -------------------------------------------------------------------------------------
+
+_DEFAULT_SHARDING = None
+
+
+def default_sharding():
+    """Unannotated data is replicated over every device (as in PyTorch/XLA's SPMD mode)."""
+    global _DEFAULT_SHARDING
+    if _DEFAULT_SHARDING is None:
+        devices = runtime.devices()
+        if len(devices) == 1:
+            _DEFAULT_SHARDING = jax.sharding.SingleDeviceSharding(devices[0])
+        else:
+            mesh = jax.sharding.Mesh(np.array(devices), ("xshard_all",))
+            _DEFAULT_SHARDING = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return _DEFAULT_SHARDING
+
+
+def upload_node(t: torch.Tensor, sharding=None) -> ir.Node:
+    """Copies CPU tensor ``t`` to the devices (asynchronously) and returns its data node."""
+    array = jax.device_put(torch_to_numpy(t), sharding or default_sharding())
+    return ir.data_node(array, tuple(t.shape), t.dtype, array.sharding)
+
+
+def to_cpu(t: XTensor) -> torch.Tensor:
+    """The value of ``t`` as a CPU tensor; runs pending work first (one graph, like ``sync()``)."""
+    if not t._cell.value.is_data:
+        sync()
+    node = t._value()
+    array = node.payload if node.is_data else evaluate([node])[0]
+    out = numpy_to_torch(np.asarray(array))
+    if tuple(out.shape) != tuple(node.shape):  # padded for an uneven sharding
+        out = out[tuple(slice(0, n) for n in node.shape)].clone()
+    return out
+
+
+# -- graphs ----------------------------------------------------------------------------------------
+
+
+class Graph:
+    """A linearised pending graph: nodes in post-order, inputs, outputs and its cache key."""
+
+    __slots__ = ("order", "children", "inputs", "outputs", "key", "donate")
+
+    def __init__(self, outputs, donate_ok=None):
+        order, children, positions = [], [], {}
+        inputs, entries = [], []
+        stack = [(n, False) for n in reversed(outputs)]
+        while stack:
+            node, expanded = stack.pop()
+            if id(node) in positions:
+                continue
+            if not expanded and node.inputs:
+                stack.append((node, True))
+                stack.extend((i, False) for i in reversed(node.inputs) if id(i) not in positions)
+                continue
+            positions[id(node)] = len(order)
+            order.append(node)
+            kids = tuple(positions[id(i)] for i in node.inputs)
+            children.append(kids)
+            if node.op is ir.DATA or node.op is ir.SCALAR:
+                inputs.append(node)
+                entries.append((node.local_hash, len(inputs) - 1))
+            else:
+                entries.append((node.local_hash, kids))
+        self.order = order
+        self.children = children
+        self.inputs = inputs
+        self.outputs = tuple(positions[id(n)] for n in outputs)
+        donate = ()
+        if donate_ok is not None:
+            donate = tuple(i for i, n in enumerate(inputs)
+                           if n.op is ir.DATA and donate_ok(n.payload))
+        self.donate = donate
+        self.key = (tuple(entries), self.outputs, donate)
+
+    def input_values(self):
+        values = []
+        for node in self.inputs:
+            if node.op is ir.SCALAR:
+                values.append(np.asarray(node.payload, to_numpy_dtype(node.dtype)))
+            else:
+                values.append(node.payload)
+        return values
+
+    def describe(self):
+        """What a recompile log compares: input avals and the op sequence."""
+        ins = [(tuple(n.shape), n.dtype, n.sharding) if n.op is ir.DATA else ("scalar", n.dtype)
+               for n in self.inputs]
+        ops = [str(n.op) for n in self.order if n.op is not ir.DATA and n.op is not ir.SCALAR]
+        return ins, ops
+
+
+class Program:
+    """The payload-free description of a graph that the traced function interprets."""
+
+    def __init__(self, graph: Graph):
+        self.steps = []
+        for node, kids in zip(graph.order, graph.children):
+            if node.op is ir.DATA:
+                self.steps.append(("data", graph.inputs.index(node), tuple(node.shape)))
+            elif node.op is ir.SCALAR:
+                self.steps.append(("scalar", graph.inputs.index(node), None))
+            elif node.op is ir.OUTPUT:
+                self.steps.append(("output", kids[0], node.template))
+            else:
+                rule = RULES.get(node.op)
+                if rule is None:
+                    raise LoweringError(f"no lowering rule for {node.op}")
+                self.steps.append(("op", kids, (node.op, rule, node.template, node.shape,
+                                                node.dtype, node.outputs, node.sharding)))
+        self.outputs = graph.outputs
+
+    def __call__(self, *inputs):
+        vals = []
+        for kind, a, b in self.steps:
+            if kind == "data":
+                x = inputs[a]
+                if x.shape != b:  # padded device data: the logical value is the leading block
+                    x = x[tuple(slice(0, n) for n in b)]
+                vals.append(x)
+            elif kind == "scalar":
+                vals.append(_lax_internal._convert_element_type(inputs[a], weak_type=True))
+            elif kind == "output":
+                vals.append(vals[a][b])
+            else:
+                vals.append(_apply(a, b, vals))
+        return tuple(vals[o] for o in self.outputs)
+
+
+def _apply(kids, spec, vals):
+    op, rule, template, shape, dtype, outputs, sharding = spec
+    args = [vals[k] for k in kids]
+    targs, tkwargs = template
+    call_args = _thaw(targs, args)
+    call_kwargs = {k: _thaw(v, args) for k, v in tkwargs}
+    try:
+        out = rule(*call_args, **call_kwargs)
+    except Exception as e:
+        raise LoweringError(f"lowering {op} failed: {type(e).__name__}: {e}") from e
+    if outputs is None:
+        out = _conform(out, shape, dtype, op)
+        if sharding is not None:
+            out = jax.lax.with_sharding_constraint(out, sharding)
+        return out
+    return tuple(None if meta is None or o is None else _conform(o, meta[0], meta[1], op)
+                 for o, meta in zip(out, outputs))
+
+
+def _thaw(x, args):
+    if type(x) is ir.Slot:
+        return args[x.index]
+    if type(x) is tuple:
+        return tuple(_thaw(v, args) for v in x)
+    return x
+
+
+def _conform(x, shape, dtype, op):
+    x = jax.numpy.asarray(x)
+    want = to_numpy_dtype(dtype)
+    if x.dtype != want:
+        x = x.astype(want)
+    if tuple(x.shape) != tuple(shape):
+        if x.size == int(np.prod(shape)):
+            x = x.reshape(shape)
+        else:
+            raise LoweringError(
+                f"lowering of {op} produced shape {tuple(x.shape)}, PyTorch expects {tuple(shape)}")
+    return x
+
+
+# -- the executable cache ----------------------------------------------------------------------
+
+
+class Executable:
+    __slots__ = ("compiled", "describe", "lowered")
+
+    def __init__(self, compiled, describe, lowered):
+        self.compiled = compiled
+        self.describe = describe
+        self.lowered = lowered
+
+
+_CACHE: dict = {}
+
+
+def _lower(graph: Graph):
+    program = Program(graph)
+    jitted = jax.jit(program, donate_argnums=graph.donate)
+    with warnings.catch_warnings():
+        # Donation is offered for every buffer no live tensor holds; XLA reuses those it can.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return jitted.lower(*graph.input_values())
+
+
+def executable(graph: Graph) -> Executable:
+    key = (graph.key, tuple(n.sharding for n in graph.inputs if n.op is ir.DATA))
+    exe = _CACHE.get(key)
+    if exe is not None:
+        metrics.METRICS.cache_hits += 1
+        return exe
+    _log_recompile(graph)
+    start = time.perf_counter()
+    lowered = _lower(graph)
+    compiled = lowered.compile()
+    metrics.METRICS.record_compile(time.perf_counter() - start)
+    exe = Executable(compiled, graph.describe(), lowered)
+    _CACHE[key] = exe
+    return exe
+
+
+def _log_recompile(graph: Graph):
+    if not _CACHE or not log.isEnabledFor(logging.DEBUG):
+        return
+    ins, ops = graph.describe()
+    best, best_score = None, None
+    for exe in _CACHE.values():
+        cins, cops = exe.describe
+        score = abs(len(cins) - len(ins)) + abs(len(cops) - len(ops)) + sum(
+            a != b for a, b in zip(cins, ins)) + sum(a != b for a, b in zip(cops, ops))
+        if best_score is None or score < best_score:
+            best, best_score = exe.describe, score
+    cins, cops = best
+    reasons = []
+    for i, (a, b) in enumerate(zip(cins, ins)):
+        if a != b:
+            what = ("shape" if a[0] != b[0] else "dtype" if a[1] != b[1] else "sharding")
+            reasons.append(f"input {i} {what}: {a[:2] if what != 'sharding' else a[2]} -> "
+                           f"{b[:2] if what != 'sharding' else b[2]}")
+            break
+    if len(cins) != len(ins):
+        reasons.append(f"number of inputs {len(cins)} -> {len(ins)}")
+    for i, (a, b) in enumerate(zip(cops, ops)):
+        if a != b:
+            reasons.append(f"op {i}: {a} -> {b}")
+            break
+    if len(cops) != len(ops):
+        reasons.append(f"number of ops {len(cops)} -> {len(ops)}")
+    log.debug("xshard recompiles a graph of %d ops; nearest cached graph differs in: %s",
+              len(ops), "; ".join(reasons) or "static op arguments")
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def _seq(cell):
+    return cell.seq
+
+
+def sync(wait: bool = False) -> None:
+    """Compiles (or reuses) and dispatches one graph computing every pending live tensor."""
+    cells = sorted((c for c in list(LIVE_CELLS) if not c.value.is_data), key=_seq)
+    if not cells:
+        if wait:
+            wait_all()
+        return
+    held = {id(c.value.payload) for c in list(LIVE_CELLS) if c.value.is_data}
+    outputs, seen, owners = [], {}, []
+    for c in cells:
+        node = c.value
+        if id(node) not in seen:
+            seen[id(node)] = len(outputs)
+            outputs.append(node)
+        owners.append(seen[id(node)])
+    graph = Graph(outputs, donate_ok=lambda array: id(array) not in held)
+    exe = executable(graph)
+    start = time.perf_counter()
+    results = exe.compiled(*graph.input_values())
+    metrics.METRICS.record_execute(time.perf_counter() - start)
+    for c, pos in zip(cells, owners):
+        node = c.value
+        array = results[pos]
+        c.write(ir.data_node(array, node.shape, node.dtype, array.sharding))
+    if wait:
+        wait_all()
+
+
+def evaluate(nodes) -> list:
+    """Computes ``nodes`` without binding the results to any tensor (no donation)."""
+    graph = Graph(list(nodes))
+    exe = executable(graph)
+    start = time.perf_counter()
+    out = exe.compiled(*graph.input_values())
+    metrics.METRICS.record_execute(time.perf_counter() - start)
+    return list(out)
+
+
+def wait_all() -> None:
+    """Blocks until every dispatched computation has finished."""
+    for c in list(LIVE_CELLS):
+        if c.value.is_data:
+            c.value.payload.block_until_ready()
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

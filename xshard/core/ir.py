@@ -1,0 +1,98 @@
+"""The lazy IR: one immutable node type.
+
+A ``Node`` is one value of a lazy graph. Its ``op`` says how it is computed:
+
+- ``DATA``: device data. ``payload`` is a ``jax.Array`` (already computed, possibly still in flight).
+- ``SCALAR``: a Python scalar that enters the graph as an input, so a learning rate or loss scale that
+  changes every step does not change the program. ``payload`` is the Python value.
+- ``OUTPUT``: output ``template`` (an int) of the multi-output node ``inputs[0]``.
+- anything else: an aten ``OpOverload`` or an xshard op name (``"xshard.*"``), computed by its lowering
+  rule from ``inputs`` and the static arguments in ``template`` (the call's args and kwargs with each
+  tensor or dynamic scalar replaced by a ``Slot`` into ``inputs``).
+
+``shape``/``dtype`` describe the value (for a multi-output node, ``outputs`` lists one ``(shape, dtype)``
+per output instead). ``hash`` is structural: it covers the op, the static arguments and, recursively,
+the inputs' hashes, but not the identity of device data, so equal programs over different data hash
+equal. It is computed once, at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DATA = "xshard.data"
+SCALAR = "xshard.scalar"
+OUTPUT = "xshard.output"
+
+
+class Slot:
+    """Placeholder for the ``index``-th input of a node inside its static ``template``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __eq__(self, other):
+        return type(other) is Slot and other.index == self.index
+
+    def __hash__(self):
+        return hash(("slot", self.index))
+
+    def __repr__(self):
+        return f"%{self.index}"
+
+
+class Node:
+    __slots__ = ("op", "inputs", "template", "shape", "dtype", "outputs", "payload", "sharding",
+                 "local_hash", "hash")
+
+    def __init__(self, op, inputs=(), template=None, shape=None, dtype=None, outputs=None,
+                 payload=None, sharding=None):
+        self.op = op
+        self.inputs = inputs
+        self.template = template
+        self.shape = shape
+        self.dtype = dtype
+        self.outputs = outputs
+        self.payload = payload
+        # DATA: the jax sharding of the payload. Others: a sharding constraint to apply to the value,
+        # an opaque object with a ``jax_sharding`` attribute and a ``key`` (see spmd).
+        self.sharding = sharding
+        if op is DATA:
+            local = ("data", shape, dtype, sharding)
+        elif op is SCALAR:
+            local = ("scalar", type(payload))
+        else:
+            local = (op, template, shape, dtype, getattr(sharding, "key", None))
+        self.local_hash = hash(local)
+        self.hash = hash((self.local_hash, tuple(i.hash for i in inputs)))
+
+    @property
+    def is_data(self) -> bool:
+        return self.op is DATA
+
+    def __repr__(self):
+        if self.op is DATA:
+            return f"Data({list(self.shape)}, {self.dtype})"
+        if self.op is SCALAR:
+            return f"Scalar({self.payload!r})"
+        return f"Node({self.op}, {len(self.inputs)} inputs)"
+
+
+def data_node(array, shape, dtype, sharding=None) -> Node:
+    """A node holding device data; ``shape`` is the logical (unpadded) shape."""
+    return Node(DATA, shape=tuple(shape), dtype=dtype, payload=array, sharding=sharding)
+
+
+def scalar_node(value) -> Node:
+    return Node(SCALAR, payload=value, shape=(), dtype=_SCALAR_DTYPES[type(value)])
+
+
+def output_node(multi: Node, index: int) -> Node:
+    shape, dtype = multi.outputs[index]
+    return Node(OUTPUT, (multi,), index, shape, dtype)
+
+
+_SCALAR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64,
+                  complex: torch.complex128}
