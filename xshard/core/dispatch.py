@@ -37,7 +37,7 @@ class OpInfo_:
     """What the recorder needs to know about one aten overload."""
 
     __slots__ = ("positional_dynamic", "kw_dynamic", "written", "out_names", "random", "inplace",
-                 "functional", "has_rule", "view")
+                 "functional", "has_rule", "view", "composite")
 
     def __init__(self, func):
         schema = func._schema
@@ -58,6 +58,8 @@ class OpInfo_:
         self.functional = _functional_twin(func, self) if self.written else None
         self.has_rule = lowering.has_rule(func)
         self.view = func in VIEW_OPS
+        self.composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")
 
 
 def _dynamic_kind(arg):
@@ -219,6 +221,11 @@ def dispatch(func, args, kwargs):
         return _view(func, info, args, kwargs)
     if info.has_rule:
         return record(func, info, args, kwargs)
+    if info.composite:
+        # Composite ops reach us when called from inside a decomposition; run their definition.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     decomposition = decomposition_table.get(func)
     if decomposition is not None:
         out = decomposition(*args, **kwargs)
@@ -269,6 +276,11 @@ def _mutating(func, info, args, kwargs):
         pass
     if info.out_names:
         fargs = {k: v for k, v in bound.items() if k not in info.out_names}
+        if not any(isinstance(v, torch.Tensor) for v in fargs.values()):
+            # A factory's out= form (e.g. arange into an empty device tensor): make it here.
+            first_out = bound[info.out_names[0]]
+            fargs.setdefault("dtype", first_out.dtype)
+            fargs["device"] = first_out.device
         result = functional(**fargs)
         results = result if isinstance(result, (tuple, list)) else (result,)
         outs = [bound[name] for name in info.out_names]
@@ -467,6 +479,9 @@ _SPECIAL = {
 def factory(func, args, kwargs):
     """Kernel for factory ops called with ``device=xshard``: a node, no data transfer."""
     kwargs = dict(kwargs)
+    if func is aten.arange.default or func is aten.arange.start:
+        start, end = (0, args[0]) if func is aten.arange.default else args[:2]
+        func, args = aten.arange.start_step, (start, end, 1)
     for k in ("device", "layout", "pin_memory"):
         kwargs.pop(k, None)
     meta = func(*args, **kwargs, device="meta")
@@ -487,6 +502,7 @@ _FACTORY_KEEP_MEMORY_FORMAT: set = set()
 
 FACTORIES = (
     "empty.memory_format", "empty_strided", "full", "zeros", "ones", "arange.start_step",
+    "arange", "arange.start",
     "eye", "eye.m", "linspace", "logspace", "rand", "randn", "randint", "randint.low",
     "randperm", "scalar_tensor", "empty_like",
 )

@@ -205,6 +205,17 @@ class XTensor(torch.Tensor):
                 setattr(new, key, copy.deepcopy(val, memo))
         return new
 
+    # [Note: tied parameters] Being a "traceable wrapper subclass" makes Module._apply (behind
+    # model.to(device)) swap each parameter object in place instead of replacing it, so parameters
+    # shared between modules (tied embeddings) stay one parameter on the device.
+    def __tensor_flatten__(self):
+        return [], (self._cell, self._chain, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        cell, chain, dtype = ctx
+        return XTensor(cell, chain, outer_size, outer_stride, dtype)
+
     def __reduce_ex__(self, protocol):
         from xshard.core import graph
 

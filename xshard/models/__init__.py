@@ -1,0 +1,3 @@
+"""Reference models used by the examples, tests, benchmarks and memory experiments."""
+
+from xshard.models.gpt import GPT, Block, GPTConfig  # noqa: F401
