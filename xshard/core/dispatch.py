@@ -245,7 +245,24 @@ def record(func, info, args, kwargs):
     if info.random:
         inputs.append(rng.next_key())
         template = (template[0], template[1] + (("_key", ir.Slot(len(inputs) - 1)),))
-    return _wrap_outputs(func, tuple(inputs), template, spec)
+    out = _wrap_outputs(func, tuple(inputs), template, spec)
+    if func in _INHERIT_SHARDING:
+        _inherit_sharding(func, args, out)
+    return out
+
+
+# Results that keep their input's sharding annotation, as the input's copies or same-shaped peers
+# (clone, and the zeros_like that torch.optim uses to create its state).
+_INHERIT_SHARDING = {aten.clone.default, aten.zeros_like.default, aten.empty_like.default,
+                     aten.ones_like.default, aten.full_like.default}
+
+
+def _inherit_sharding(func, args, out):
+    if func in _INHERIT_SHARDING and isinstance(args[0], XTensor) and isinstance(out, XTensor):
+        source = args[0]
+        if source._cell.sharding is not None and not source._chain:
+            out._cell.sharding = source._cell.sharding
+    return out
 
 
 def _wrap_outputs(func, inputs, template, spec):
@@ -447,7 +464,10 @@ def _to_copy(func, args, kwargs):
     elif memory_format is not None and memory_format is not torch.preserve_format:
         stride = torch.empty(src.shape, device="meta").contiguous(
             memory_format=memory_format).stride()
-    return xt.new_base(value, stride)
+    out = xt.new_base(value, stride)
+    if not src._chain and src._cell.sharding is not None:
+        out._cell.sharding = src._cell.sharding
+    return out
 
 
 def _local_scalar_dense(func, args, kwargs):

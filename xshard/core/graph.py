@@ -65,6 +65,10 @@ def to_cpu(t: XTensor) -> torch.Tensor:
     if not t._cell.value.is_data:
         sync()
     node = t._value()
+    if node.manual:
+        raise RuntimeError(
+            "This tensor holds per-device shards inside a manual sharding region; close the region "
+            "with xshard.spmd.disable_manual_sharding(t, spec, full_shape) to read its value.")
     array = node.payload if node.is_data else evaluate([node])[0]
     out = numpy_to_torch(np.asarray(array))
     if tuple(out.shape) != tuple(node.shape):  # padded for an uneven sharding
@@ -80,7 +84,9 @@ class Graph:
 
     __slots__ = ("order", "children", "inputs", "outputs", "key", "donate")
 
-    def __init__(self, outputs, donate_ok=None):
+    def __init__(self, outputs, donate_ok=None, boundary=frozenset()):
+        # ``boundary``: ops whose nodes count as inputs, their own inputs not followed (the entry
+        # points of a manual-sharding region).
         order, children, positions = [], [], {}
         inputs, entries = [], []
         stack = [(n, False) for n in reversed(outputs)]
@@ -88,15 +94,16 @@ class Graph:
             node, expanded = stack.pop()
             if id(node) in positions:
                 continue
-            if not expanded and node.inputs:
+            leaf = node.op in boundary
+            if not expanded and node.inputs and not leaf:
                 stack.append((node, True))
                 stack.extend((i, False) for i in reversed(node.inputs) if id(i) not in positions)
                 continue
             positions[id(node)] = len(order)
             order.append(node)
-            kids = tuple(positions[id(i)] for i in node.inputs)
+            kids = () if leaf else tuple(positions[id(i)] for i in node.inputs)
             children.append(kids)
-            if node.op is ir.DATA or node.op is ir.SCALAR:
+            if node.op is ir.DATA or node.op is ir.SCALAR or leaf:
                 inputs.append(node)
                 entries.append((node.local_hash, len(inputs) - 1))
             else:
@@ -135,7 +142,7 @@ class Program:
     def __init__(self, graph: Graph):
         self.steps = []
         for node, kids in zip(graph.order, graph.children):
-            if node.op is ir.DATA:
+            if node.op is ir.DATA or (not kids and node.inputs):
                 self.steps.append(("data", graph.inputs.index(node), tuple(node.shape)))
             elif node.op is ir.SCALAR:
                 self.steps.append(("scalar", graph.inputs.index(node), None))
@@ -278,6 +285,47 @@ def _log_recompile(graph: Graph):
               len(ops), "; ".join(reasons) or "static op arguments")
 
 
+# -- shardings -----------------------------------------------------------------------------------
+#
+# A sharding reaches core as an opaque annotation object with ``jax_sharding`` (a jax Sharding over
+# the *padded* shape) and ``padded_shape(shape)`` (each dimension rounded up to a multiple of its
+# tile count). Inside a graph XLA handles dimensions that do not divide; at the boundary jax.Array
+# refuses them, so annotated results leave a graph padded at the end of each dimension and enter the
+# next one sliced back to their logical shape (see ``Program``).
+
+CONSTRAIN = "xshard.sharding_constraint"
+SHARD_OUTPUT = "xshard.shard_output"
+
+
+def _constrain(x, sharding):
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _shard_output(x, padded_shape, sharding):
+    pads = [(0, p - n, 0) for n, p in zip(x.shape, padded_shape)]
+    if any(hi for _, hi, _ in pads):
+        x = jax.lax.pad(x, jax.numpy.zeros((), x.dtype), pads)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+RULES[CONSTRAIN] = _constrain
+RULES[SHARD_OUTPUT] = _shard_output
+
+
+def constrain(value: ir.Node, annotation) -> ir.Node:
+    """``value`` with a sharding constraint: how XLA must lay it out at this point."""
+    return ir.Node(CONSTRAIN, (value,), ((ir.Slot(0), annotation.jax_sharding), ()),
+                   value.shape, value.dtype)
+
+
+def _output(value: ir.Node, annotation) -> ir.Node:
+    if annotation is None:
+        return value
+    padded = tuple(annotation.padded_shape(value.shape))
+    return ir.Node(SHARD_OUTPUT, (value,), ((ir.Slot(0), padded, annotation.jax_sharding), ()),
+                   padded, value.dtype)
+
+
 # -- running ---------------------------------------------------------------------------------------
 
 
@@ -287,7 +335,8 @@ def _seq(cell):
 
 def sync(wait: bool = False) -> None:
     """Compiles (or reuses) and dispatches one graph computing every pending live tensor."""
-    cells = sorted((c for c in list(LIVE_CELLS) if not c.value.is_data), key=_seq)
+    cells = sorted((c for c in list(LIVE_CELLS) if not c.value.is_data and not c.value.manual),
+                   key=_seq)
     if not cells:
         if wait:
             wait_all()
@@ -295,11 +344,11 @@ def sync(wait: bool = False) -> None:
     held = {id(c.value.payload) for c in list(LIVE_CELLS) if c.value.is_data}
     outputs, seen, owners = [], {}, []
     for c in cells:
-        node = c.value
-        if id(node) not in seen:
-            seen[id(node)] = len(outputs)
-            outputs.append(node)
-        owners.append(seen[id(node)])
+        key = (id(c.value), c.sharding)
+        if key not in seen:
+            seen[key] = len(outputs)
+            outputs.append(_output(c.value, c.sharding))
+        owners.append(seen[key])
     graph = Graph(outputs, donate_ok=lambda array: id(array) not in held)
     exe = executable(graph)
     start = time.perf_counter()

@@ -10,6 +10,8 @@ A ``Node`` is one value of a lazy graph. Its ``op`` says how it is computed:
   rule from ``inputs`` and the static arguments in ``template`` (the call's args and kwargs with each
   tensor or dynamic scalar replaced by a ``Slot`` into ``inputs``).
 
+``manual`` marks values inside a manual-sharding region (per-device shards, see xshard.spmd).
+
 ``shape``/``dtype`` describe the value (for a multi-output node, ``outputs`` lists one ``(shape, dtype)``
 per output instead). ``hash`` is structural: it covers the op, the static arguments and, recursively,
 the inputs' hashes, but not the identity of device data, so equal programs over different data hash
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 
 DATA = "xshard.data"
+MANUAL_ENTRY: set = set()  # ops that start a manual region (see xshard.spmd.manual)
+MANUAL_EXIT: set = set()  # ops that close one
 SCALAR = "xshard.scalar"
 OUTPUT = "xshard.output"
 
@@ -45,7 +49,7 @@ class Slot:
 
 class Node:
     __slots__ = ("op", "inputs", "template", "shape", "dtype", "outputs", "payload", "sharding",
-                 "local_hash", "hash")
+                 "local_hash", "hash", "manual")
 
     def __init__(self, op, inputs=(), template=None, shape=None, dtype=None, outputs=None,
                  payload=None, sharding=None):
@@ -67,6 +71,10 @@ class Node:
             local = (op, template, shape, dtype, getattr(sharding, "key", None))
         self.local_hash = hash(local)
         self.hash = hash((self.local_hash, tuple(i.hash for i in inputs)))
+        # Inside a manual-sharding region (per-device values): such a value can only leave the
+        # region through its closing op, never become a graph output on its own.
+        self.manual = op in MANUAL_ENTRY or (op not in MANUAL_EXIT and any(
+            i.manual for i in inputs))
 
     @property
     def is_data(self) -> bool:

@@ -1,0 +1,27 @@
+"""GSPMD-style sharding: annotate a few tensors, XLA's partitioner does the rest.
+
+Example:
+    >>> import numpy as np, torch, xshard
+    >>> import xshard.spmd as xs
+    >>> mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
+    >>> w = torch.randn(16, 32, device=xshard.device())
+    >>> xs.mark_sharding(w, mesh, ("model", None))    # doctest: +SKIP
+    >>> xs.get_sharding_spec(w)                        # doctest: +SKIP
+    '{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}'
+
+Module order: spec (device-free math) <- sharding (annotations) <- api (mark/clear/inspect)
+<- sharded_tensor <- manual (regions and collectives) <- loader (input sharding) <- debugging.
+"""
+
+from xshard.mesh import AbstractMesh, HybridMesh, Mesh, get_1d_mesh, get_global_mesh, set_global_mesh
+from xshard.spmd.api import (annotation_of, clear_sharding, get_sharding_spec, get_sharding_type,
+                             mark_sharding, mark_sharding_with_gradients, wrap_if_sharded)
+from xshard.spmd.sharded_tensor import XLAShard, XLAShardedTensor
+from xshard.spmd.spec import PartitionSpecError, ShardingType
+
+__all__ = [
+    "AbstractMesh", "HybridMesh", "Mesh", "get_1d_mesh", "get_global_mesh", "set_global_mesh",
+    "mark_sharding", "clear_sharding", "mark_sharding_with_gradients", "get_sharding_spec",
+    "get_sharding_type", "wrap_if_sharded", "annotation_of", "XLAShardedTensor", "XLAShard",
+    "ShardingType", "PartitionSpecError",
+]

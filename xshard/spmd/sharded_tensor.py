@@ -1,0 +1,165 @@
+"""XLAShardedTensor: a device tensor seen together with its shards.
+
+It aliases the annotated tensor's storage (like ``t.detach()``), so it can be used in ordinary tensor
+ops; ``global_tensor`` is the tensor it was made from (the one autograd tracks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import EllipsisType
+
+import numpy as np
+import torch
+
+from xshard.core import graph, ir, runtime
+from xshard.core.dtypes import numpy_to_torch, torch_to_numpy
+from xshard.core.tensor import XTensor
+from xshard.spmd import spec as specs
+from xshard.spmd.spec import ShardingType
+
+
+@dataclasses.dataclass
+class XLAShard:
+    """One device's block of a sharded tensor.
+
+    Attributes:
+        data: the block on CPU, including the padding of uneven shards.
+        indices: ``slice`` per dimension into the unpadded global tensor, or ``Ellipsis`` when
+            every device holds the whole tensor.
+        shard_device: the device holding it, e.g. ``'CPU:3'``.
+        replica_id: 0 for tiled shards; the position in its replication group for partially
+            replicated ones; the device id for fully replicated tensors.
+    """
+
+    data: torch.Tensor
+    indices: tuple | EllipsisType
+    shard_device: str
+    replica_id: int
+
+    @property
+    def unpadded_data(self) -> torch.Tensor:
+        """``data`` without the padding."""
+        if self.indices is Ellipsis:
+            return self.data
+        return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
+
+    @unpadded_data.setter
+    def unpadded_data(self, value: torch.Tensor) -> None:
+        if self.indices is Ellipsis:
+            self.data = value.clone()
+            return
+        data = torch.zeros_like(self.data)
+        data[tuple(slice(0, s.stop - s.start) for s in self.indices)] = value
+        self.data = data
+
+
+def _device_name(device) -> str:
+    return f"{device.platform.upper()}:{device.id}"
+
+
+class XLAShardedTensor(XTensor):
+    """A sharded device tensor; see ``xshard.spmd.mark_sharding``."""
+
+    _global: XTensor
+
+    @staticmethod
+    def wrap(t: XTensor) -> "XLAShardedTensor":
+        out = XTensor.__new__(XLAShardedTensor, t._cell, t._chain, t.shape, t.stride(), t.dtype)
+        out._global = t
+        return out
+
+    @property
+    def global_tensor(self) -> XTensor:
+        """The full logical tensor this wraps."""
+        return self._global
+
+    @property
+    def sharding_spec(self) -> str:
+        from xshard.spmd.api import get_sharding_spec
+
+        return get_sharding_spec(self._global)
+
+    @property
+    def sharding_type(self) -> ShardingType | None:
+        from xshard.spmd.api import get_sharding_type
+
+        return get_sharding_type(self._global)
+
+    def _array(self):
+        if not self._cell.value.is_data:
+            graph.sync()
+        node = self._cell.value
+        return node, node.payload
+
+    @property
+    def local_shards(self) -> list[XLAShard]:
+        """Each device's block (on CPU), ordered by device id."""
+        node, array = self._array()
+        annotation = self._cell.sharding
+        by_id = {}
+        if annotation is not None and not annotation.manual:
+            by_id = specs.shard_indices(node.shape, annotation.plan)
+        shards = []
+        for shard in sorted(array.addressable_shards, key=lambda s: s.device.id):
+            data = numpy_to_torch(np.asarray(shard.data))
+            if shard.device.id in by_id:
+                indices, replica = by_id[shard.device.id]
+            else:
+                indices = _clip(shard.index, node.shape, array.shape)
+                replica = shard.device.id if indices is Ellipsis else shard.replica_id
+            shards.append(XLAShard(data, indices, _device_name(shard.device), replica))
+        return shards
+
+    def load_local_shards_(self, shards: list[XLAShard]) -> "XLAShardedTensor":
+        """Replaces the data with ``shards`` (one per device, padded shapes, as ``local_shards``).
+
+        Raises:
+            RuntimeError: wrong number of shards, a wrong shape, or the tensor is not sharded.
+        """
+        node, array = self._array()
+        annotation = self._cell.sharding
+        if annotation is None or annotation.sharding_type == ShardingType.REPLICATED:
+            raise RuntimeError(
+                "load_local_shards_ needs a sharded tensor; this one is replicated. Annotate it "
+                "with xs.mark_sharding first.")
+        devices = {_device_name(d): d for d in array.sharding.addressable_devices}
+        if len(shards) != len(devices):
+            raise RuntimeError(
+                f"load_local_shards_ got {len(shards)} shards, the tensor has {len(devices)} "
+                f"(one per device of its mesh); pass one XLAShard per device.")
+        expected = annotation.shard_shape(node.shape)
+        arrays = []
+        for shard in shards:
+            if tuple(shard.data.shape) != tuple(expected):
+                raise RuntimeError(
+                    f"shard for {shard.shard_device} has shape {tuple(shard.data.shape)}; every "
+                    f"shard must have the padded shard shape {tuple(expected)}.")
+            if shard.shard_device not in devices:
+                raise RuntimeError(
+                    f"shard_device {shard.shard_device!r} is not a device of this tensor; "
+                    f"choices: {sorted(devices)}.")
+            jax = runtime.jax_module()
+            arrays.append(jax.device_put(torch_to_numpy(shard.data.to(self.dtype)),
+                                         devices[shard.shard_device]))
+        jax = runtime.jax_module()
+        full = jax.make_array_from_single_device_arrays(
+            annotation.padded_shape(node.shape), annotation.jax_sharding, arrays)
+        self._cell.write(ir.data_node(full, node.shape, node.dtype, full.sharding))
+        return self
+
+    def __repr__(self, *, tensor_contents=None):
+        body = super().__repr__()
+        return f"XLAShardedTensor({body}, sharding_spec={self.sharding_spec!r})"
+
+
+def _clip(index, logical, padded):
+    if all(s == slice(None) or (s.start in (None, 0) and s.stop in (None, n))
+           for s, n in zip(index, padded)):
+        return Ellipsis
+    out = []
+    for s, n in zip(index, logical):
+        start = min(s.start or 0, n)
+        stop = min(n if s.stop is None else s.stop, n)
+        out.append(slice(start, stop, 1))
+    return tuple(out)
