@@ -25,3 +25,9 @@ __all__ = [
     "get_sharding_type", "wrap_if_sharded", "annotation_of", "XLAShardedTensor", "XLAShard",
     "ShardingType", "PartitionSpecError",
 ]
+
+from xshard.spmd.manual import (all_gather, all_reduce, all_to_all, disable_manual_sharding,  # noqa
+                                enable_manual_sharding, ppermute, reduce_scatter, shard_map)
+
+__all__ += ["enable_manual_sharding", "disable_manual_sharding", "shard_map", "all_reduce",
+            "all_gather", "reduce_scatter", "all_to_all", "ppermute"]
