@@ -1,0 +1,25 @@
+"""Fully sharded data parallel built on sharding annotations (see [Note: FSDP as annotations]).
+
+Example:
+    >>> from functools import partial
+    >>> from xshard.fsdp import FSDP, transformer_auto_wrap_policy
+    >>> model = FSDP(GPT(cfg), auto_wrap_policy=partial(transformer_auto_wrap_policy,
+    ...                                                 transformer_layer_cls={Block}))
+
+Module order: wrap (policies) <- mixed_precision <- fully_shard (FSDP, units) <- state_dict <- utils.
+"""
+
+from xshard.fsdp.fully_shard import FSDP, FSDP_AXIS, TrainingState, param_annotation
+from xshard.fsdp.mixed_precision import MixedPrecision
+from xshard.fsdp.state_dict import ShardedEntry
+from xshard.fsdp.utils import checkpoint_module
+from xshard.fsdp.wrap import (always_wrap_policy, lambda_auto_wrap_policy, select_units,
+                              size_based_auto_wrap_policy, transformer_auto_wrap_policy)
+
+FullyShardedDataParallel = FSDP
+SpmdFullyShardedDataParallel = FSDP
+
+__all__ = ["FSDP", "FullyShardedDataParallel", "SpmdFullyShardedDataParallel", "FSDP_AXIS",
+           "MixedPrecision", "TrainingState", "ShardedEntry", "checkpoint_module",
+           "always_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
+           "transformer_auto_wrap_policy", "select_units", "param_annotation"]

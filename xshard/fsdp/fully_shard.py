@@ -1,0 +1,416 @@
+"""FSDP on sharding annotations: parameters, gradients and optimizer state split over the ``fsdp`` axis.
+
+[Note: FSDP as annotations]
+Every parameter is stored sharded over the mesh axis ``fsdp`` (on its largest dimension by default),
+so parameter, gradient and optimizer-state memory per device is 1/N of the model. A *unit* (a module
+chosen by the auto-wrap policy; the root is always one) gathers its parameters when it runs:
+
+- pre-forward: the unit's sharded parameters and its inputs pass one optimisation barrier, then each
+  parameter is constrained to be replicated: XLA's partitioner emits an all-gather there, and the
+  barrier keeps it from hoisting every unit's gather to the start of the program;
+- the gathered values replace the parameters inside the unit's modules for the forward, and the
+  parameters are put back after it;
+- with ``reshard_after_forward`` the gathered values are not saved for backward (saved-tensor hooks
+  swap them for the sharded parameter), and the unit gathers again in its pre-backward hook, behind a
+  barrier with the incoming gradient, so a peak holds about one unit's full parameters;
+- the gradient of a gathered value is constrained back to the parameter's sharding: XLA emits a
+  reduce-scatter, and the gradient lives sharded like the parameter (and so does the optimizer
+  state, which torch.optim creates with ``zeros_like``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import warnings
+
+import torch
+import torch.nn as nn
+
+from xshard.core import graph, ir
+from xshard.core import tensor as xt
+from xshard.core.barrier import optimization_barrier
+from xshard.core.tensor import XTensor
+from xshard.fsdp.mixed_precision import MixedPrecision
+from xshard.fsdp.wrap import select_units
+from xshard.mesh import Mesh, get_1d_mesh, get_global_mesh
+from xshard.spmd import api as spmd_api
+from xshard.spmd import sharding as sh
+
+FSDP_AXIS = "fsdp"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+
+
+@functools.cache
+def _fsdp_class(module_cls: type) -> type:
+    return type(f"FSDP{module_cls.__name__}", (FSDP, module_cls), {})
+
+
+class FSDP:
+    """Fully sharded data parallel over a mesh axis named ``fsdp``.
+
+    ``FSDP(module, ...)`` shards ``module`` in place and returns it (its class gains the FSDP
+    methods; parameter names and ``state_dict`` keys stay those of the original module).
+
+    Args:
+        module: the model (on CPU or already on the xshard device).
+        mesh: the mesh; default the global mesh, else a 1-D mesh over all devices named ``fsdp``.
+        auto_wrap_policy: which submodules become units, e.g.
+            ``partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
+        reshard_after_forward: free gathered parameters after each unit's forward and gather again
+            for its backward.
+        mixed_precision: a ``MixedPrecision`` (e.g. bf16 compute with fp32 master weights).
+        shard_output: callable ``(output, mesh)`` applied to the root output, or None to shard a
+            tensor output's batch dimension over the data axes (scalars are left alone).
+        extra_data_axis: a mesh axis over which the model is replicated and the batch split.
+        shard_param_on_dim_0: shard every parameter on dimension 0 instead of its largest one.
+        shard_input: shard the root's tensor inputs' batch dimension over the data axes.
+
+    Example:
+        >>> model = FSDP(GPT(cfg), auto_wrap_policy=partial(transformer_auto_wrap_policy,
+        ...                                                  transformer_layer_cls={Block}))
+    """
+
+    def __new__(cls, module: nn.Module, *args, **kwargs):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}.")
+        if isinstance(module, FSDP):
+            raise RuntimeError("This module is already wrapped with FSDP; wrap it once.")
+        module.__class__ = _fsdp_class(type(module))
+        return module
+
+    def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, auto_wrap_policy=None,
+                 reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
+                 shard_output=None, extra_data_axis: str | None = None,
+                 shard_param_on_dim_0: bool = False, shard_input: bool = True):
+        mesh = _resolve_mesh(mesh)
+        if extra_data_axis is not None and (mesh.axis_names is None
+                                            or extra_data_axis not in mesh.axis_names):
+            raise ValueError(
+                f"extra_data_axis={extra_data_axis!r} is not an axis of the mesh; its axes are "
+                f"{mesh.axis_names}. Pass one of them, or None for no extra data axis.")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError("mixed_precision must be an xshard.fsdp.MixedPrecision.")
+        self._fsdp_mesh = mesh
+        self._fsdp_data_axes = (FSDP_AXIS,) if extra_data_axis is None else (
+            extra_data_axis, FSDP_AXIS)
+        self._fsdp_mp = mixed_precision
+        self._fsdp_reshard = reshard_after_forward
+        self._fsdp_shard_output = shard_output
+        self._fsdp_shard_input = shard_input
+        self._fsdp_sync_grads = True
+        _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
+        units = select_units(self, auto_wrap_policy)
+        owned: set = set()
+        self._fsdp_units = []
+        for module_ in units:
+            params = [p for p in module_.parameters() if id(p) not in owned]
+            owned.update(id(p) for p in params)
+            self._fsdp_units.append(_Unit(self, module_, params))
+        self.register_forward_pre_hook(_root_pre_forward, with_kwargs=True, prepend=True)
+        self.register_forward_hook(_root_post_forward)
+
+    # -- information ---------------------------------------------------------------------------
+
+    @property
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules that are units, innermost first (the root last)."""
+        return [u.module for u in self._fsdp_units]
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._fsdp_mesh
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the (sharded) gradients by their global norm; returns the norm before clipping."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: within it, gradients are not constrained to the parameter
+        sharding, so XLA may keep the micro-step sums unreduced until a step outside it."""
+        previous = self._fsdp_sync_grads
+        self._fsdp_sync_grads = False
+        try:
+            yield
+        finally:
+            self._fsdp_sync_grads = previous
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self, *args, **kwargs):
+        """Full tensors on CPU under the original names (use ``sharded_state_dict`` for shards)."""
+        from xshard.fsdp.state_dict import full_state_dict
+
+        return full_state_dict(self, super().state_dict(*args, **kwargs))
+
+    def sharded_state_dict(self) -> dict:
+        """Each parameter/buffer as its local shards (CPU) plus what is needed to reassemble it."""
+        from xshard.fsdp.state_dict import sharded_state_dict
+
+        return sharded_state_dict(self, nn.Module.state_dict(self))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads a full or a sharded state dict, saved on any number of devices."""
+        from xshard.fsdp.state_dict import to_full
+
+        return super().load_state_dict(to_full(state_dict), strict=strict)
+
+
+def _resolve_mesh(mesh: Mesh | None) -> Mesh:
+    if mesh is None:
+        mesh = get_global_mesh()
+    if mesh is None:
+        mesh = get_1d_mesh(FSDP_AXIS)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be an xshard Mesh, got {type(mesh).__name__}.")
+    if mesh.axis_names is None or FSDP_AXIS not in mesh.axis_names:
+        raise ValueError(
+            f"The mesh must have an axis named 'fsdp'; its axes are {mesh.axis_names}. Build it "
+            f"with axis_names including 'fsdp', e.g. Mesh(ids, (8,), ('fsdp',)).")
+    return mesh
+
+
+def param_annotation(p: torch.Tensor, mesh: Mesh, on_dim_0: bool) -> sh.Annotation:
+    """Sharded over ``fsdp`` on the largest dimension (or dim 0); scalars replicated."""
+    spec = [None] * p.dim()
+    if p.dim():
+        dim = 0 if on_dim_0 else max(range(p.dim()), key=lambda d: (p.shape[d], -d))
+        spec[dim] = FSDP_AXIS
+    return sh.annotation(mesh, tuple(spec), p.dim())
+
+
+def _shard_parameters(root: nn.Module, mesh: Mesh, on_dim_0: bool, mp: MixedPrecision | None):
+    """Moves the module to the device with every parameter written straight into its shards."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter) or getattr(t, "_is_param", False):
+            if isinstance(t, XTensor):
+                if t._cell.sharding is None:
+                    spmd_api.mark_sharding(t, mesh, _spec(param_annotation(t, mesh, on_dim_0)))
+                return t
+            annotation = param_annotation(t, mesh, on_dim_0)
+            node = spmd_api.upload_sharded(t.detach().cpu(), annotation)
+            out = xt.new_base(node)
+            out._cell.sharding = annotation
+            return out
+        out = t.to(xt.DEVICE)
+        if mp is not None and mp.buffer_dtype is not None and out.is_floating_point():
+            out = out.to(mp.buffer_dtype)
+        return out
+
+    with torch.no_grad():
+        root._apply(move)
+
+
+def _spec(annotation: sh.Annotation) -> tuple:
+    names = annotation.mesh.axis_names
+    return tuple(None if e is None else tuple(names[a] for a in e) for e in annotation.spec)
+
+
+# -- units ---------------------------------------------------------------------------------------
+
+
+class _Unit:
+    """One FSDP unit: a module and the parameters it gathers, with its lifecycle hooks."""
+
+    def __init__(self, root: FSDP, module: nn.Module, params: list[nn.Parameter]):
+        self.root = root
+        self.module = module
+        self.params = params
+        ids = {id(p): i for i, p in enumerate(params)}
+        # Every (submodule, name) slot holding one of the params, tied parameters included.
+        self.slots = [(m, name, ids[id(p)]) for m in module.modules()
+                      for name, p in m._parameters.items() if p is not None and id(p) in ids]
+        self.state = TrainingState.IDLE
+        self.gathered_cells: dict = {}
+        self.backward_gathered: list | None = None
+        self.replicated = [sh.annotation(root._fsdp_mesh, (None,) * p.dim(), p.dim())
+                           for p in params]
+        if params:
+            module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
+            module.register_forward_hook(self.post_forward)
+            if module is not root:
+                # The root's inputs rarely need gradients (token ids), which full backward hooks
+                # warn about; the root gathers lazily when backward first unpacks a parameter.
+                module.register_full_backward_pre_hook(self.pre_backward)
+        self._hooks = None
+
+    # forward
+
+    def pre_forward(self, module, args, kwargs):
+        if not self.params:
+            return None
+        self.state = TrainingState.FORWARD
+        inputs, rebuild = _tensors_of((args, kwargs))
+        outs = _GatherForward.apply(self, len(self.params), *self.params, *inputs)
+        gathered, inputs = outs[:len(self.params)], outs[len(self.params):]
+        for m, name, i in self.slots:
+            m._parameters[name] = gathered[i]
+        self.gathered_cells = {g._cell: i for i, g in enumerate(gathered)}
+        self.backward_gathered = None
+        if self.root._fsdp_reshard and torch.is_grad_enabled():
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self._hooks.__enter__()
+        return rebuild(inputs)
+
+    def post_forward(self, module, args, output):
+        if not self.params:
+            return None
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        for m, name, i in self.slots:
+            m._parameters[name] = self.params[i]
+        self.state = TrainingState.IDLE
+        return None
+
+    # backward
+
+    def pack(self, t):
+        if isinstance(t, XTensor):
+            index = self.gathered_cells.get(t._cell)
+            if index is not None:
+                return _Regather(index, t._chain, tuple(t.shape), t.stride(), t.dtype,
+                                 t.storage_offset())
+        return t
+
+    def unpack(self, saved):
+        if not isinstance(saved, _Regather):
+            return saved
+        if self.backward_gathered is None:
+            self.gather_for_backward(())
+        base = self.backward_gathered[saved.index]
+        return XTensor(base._cell, saved.chain, saved.shape, saved.stride, saved.dtype,
+                       storage_offset=saved.offset)
+
+    def pre_backward(self, module, grad_output):
+        self.state = TrainingState.PRE_BACKWARD
+        if self.root._fsdp_reshard:
+            grads = [g for g in grad_output if isinstance(g, XTensor)]
+            self.gather_for_backward(grads)
+        return None
+
+    def gather_for_backward(self, grads):
+        with torch.no_grad():
+            fenced = optimization_barrier([p.detach() for p in self.params] + list(grads))
+            self.backward_gathered = [
+                _gathered_tensor(fenced[i], self.replicated[i], self.root._fsdp_mp)
+                for i in range(len(self.params))]
+
+
+class _Regather:
+    """What a unit saves for backward instead of a gathered parameter (see [Note: FSDP as
+    annotations])."""
+
+    __slots__ = ("index", "chain", "shape", "stride", "dtype", "offset")
+
+    def __init__(self, index, chain, shape, stride, dtype, offset):
+        self.index, self.chain, self.shape = index, chain, shape
+        self.stride, self.dtype, self.offset = stride, dtype, offset
+
+
+def _gathered_tensor(sharded: XTensor, replicated: sh.Annotation, mp) -> XTensor:
+    value = sharded._value()
+    if mp is not None and mp.param_dtype is not None and value.dtype != mp.param_dtype:
+        from xshard.core.dispatch import convert
+
+        value = convert(value, mp.param_dtype)
+    return xt.new_base(graph.constrain(value, replicated))
+
+
+class _GatherForward(torch.autograd.Function):
+    """Barrier(params, inputs) -> all-gather each param; backward reduce-scatters the gradients."""
+
+    @staticmethod
+    def forward(ctx, unit: _Unit, n_params: int, *tensors):
+        ctx.unit = unit
+        ctx.n_params = n_params
+        ctx.param_dtypes = [p.dtype for p in tensors[:n_params]]
+        fenced = optimization_barrier([t.detach() for t in tensors]) if all(
+            isinstance(t, XTensor) for t in tensors) else list(tensors)
+        gathered = [_gathered_tensor(fenced[i], unit.replicated[i], unit.root._fsdp_mp)
+                    for i in range(n_params)]
+        return tuple(gathered) + tuple(fenced[n_params:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        mp = unit.root._fsdp_mp
+        out = []
+        for i, g in enumerate(grads[:ctx.n_params]):
+            if g is None:
+                out.append(None)
+                continue
+            if mp is not None and mp.reduce_dtype is not None:
+                g = g.to(mp.reduce_dtype)
+            if unit.root._fsdp_sync_grads:
+                annotation = unit.params[i]._cell.sharding
+                g = spmd_api._constrained(g, annotation)
+            out.append(g.to(ctx.param_dtypes[i]))
+        return (None, None, *out, *grads[ctx.n_params:])
+
+
+def _tensors_of(tree):
+    """The device tensors in (args, kwargs), and a function putting replacements back."""
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, XTensor)]
+
+    def rebuild(new):
+        out = list(leaves)
+        for i, t in zip(positions, new):
+            out[i] = t
+        return torch.utils._pytree.tree_unflatten(out, spec)
+
+    return [leaves[i] for i in positions], rebuild
+
+
+# -- root hooks -------------------------------------------------------------------------------------
+
+
+def _data_annotation(root: FSDP, t: torch.Tensor):
+    spec = (root._fsdp_data_axes if len(root._fsdp_data_axes) > 1 else root._fsdp_data_axes[0],
+            ) + (None,) * (t.dim() - 1)
+    return sh.annotation(root._fsdp_mesh, spec, t.dim())
+
+
+def _root_pre_forward(root: FSDP, args, kwargs):
+    inputs, rebuild = _tensors_of((args, kwargs))
+    mp = root._fsdp_mp
+    out = []
+    for t in inputs:
+        if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs and \
+                t.is_floating_point():
+            t = t.to(mp.param_dtype)
+        if root._fsdp_shard_input and t.dim() >= 1 and not t._chain and \
+                t._cell.sharding is None:
+            t = spmd_api._ShardWithGradient.apply(t, _data_annotation(root, t))
+        out.append(t)
+    return rebuild(out)
+
+
+def _root_post_forward(root: FSDP, args, output):
+    if root._fsdp_shard_output is not None:
+        return root._fsdp_shard_output(output, root._fsdp_mesh)
+    if isinstance(output, XTensor):
+        return _shard_batch(root, output)
+    if isinstance(output, tuple) and output and isinstance(output[0], XTensor):
+        if output[0].dim() >= 1:
+            warnings.warn("FSDP shards only the first element of a tuple output; pass "
+                          "shard_output=... to control the rest.", stacklevel=3)
+        return (_shard_batch(root, output[0]),) + output[1:]
+    return output
+
+
+def _shard_batch(root: FSDP, t: XTensor):
+    if t.dim() == 0:
+        return t
+    return spmd_api._ShardWithGradient.apply(t, _data_annotation(root, t))
