@@ -15,6 +15,7 @@ from xshard.core.runtime import (device_count, devices, initialize, process_coun
 from xshard.core import device as _device
 from xshard.core import debug, metrics  # noqa: F401
 from xshard.core.barrier import optimization_barrier, optimization_barrier_  # noqa: F401
+from xshard.core.graph import compile_only  # noqa: F401
 from xshard.core.graph import sync as _sync, wait_all as _wait_all
 
 _device.register()
@@ -51,4 +52,4 @@ def manual_seed(seed: int) -> None:
 
 __all__ = ["device", "devices", "device_count", "process_index", "process_count", "initialize",
            "sync", "mark_step", "wait", "manual_seed", "metrics", "debug", "runtime",
-           "optimization_barrier", "optimization_barrier_"]
+           "optimization_barrier", "optimization_barrier_", "compile_only"]

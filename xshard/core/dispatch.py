@@ -402,6 +402,9 @@ def _split_dim(func, args, kwargs, ndim):
 
 def _make_view(base: XTensor, op, template, spec) -> XTensor:
     _, shape, stride, dtype, offset = spec
+    if op is not aten.as_strided.default:
+        # The meta kernel saw the parent at offset 0; as_strided's offset is absolute already.
+        offset += base.storage_offset()
     step = ViewStep(op, template, shape, dtype, tuple(base.shape))
     return XTensor(base._cell, base._chain + (step,), shape, stride, dtype, storage_offset=offset)
 
@@ -432,11 +435,19 @@ def _copy_(func, args, kwargs):
     return dst
 
 
+def copy_from(src, dst, non_blocking=False):
+    """Kernel of ``aten::_copy_from`` for the xshard device.
+
+    ``copy_`` reaches it when the Python dispatch key is excluded, e.g. inside
+    ``torch.tensor(data, device=xshard.device())``, which copies the host data into an empty
+    device tensor.
+    """
+    return _copy_(aten.copy_.default, (dst, src), {})
+
+
 def _upload_any(t: torch.Tensor) -> ir.Node:
     from xshard.core import graph
 
-    if t.device.type == "meta":
-        raise DeviceMismatchError("Cannot copy a meta tensor to an xshard device: it has no data.")
     return graph.upload_node(t)
 
 
@@ -480,6 +491,21 @@ def _no_op(func, args, kwargs):
     return args[0]
 
 
+def _restride_(func, args, kwargs):
+    """In-place view ops (``squeeze_``, ``t_``, ``as_strided_``...) change the tensor's own shape.
+
+    The tensor becomes the view its functional twin makes (same cell, one more view step), and its
+    sizes and strides are set to the view's, as the CPU kernel does.
+    """
+    self = args[0]
+    view = getattr(op_info(func).functional, func._overloadname, None) or op_info(func).functional
+    out = view(*args, **kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        aten.as_strided_.default(self, out.shape, out.stride(), out.storage_offset())
+    self._cell, self._chain, self._cache_version = out._cell, out._chain, -1
+    return self
+
+
 _SPECIAL = {
     aten.copy_.default: _copy_,
     aten._to_copy.default: _to_copy,
@@ -491,6 +517,10 @@ _SPECIAL = {
     aten.is_pinned.default: lambda f, a, k: False,
     aten.record_stream.default: lambda f, a, k: None,
 }
+for _op in (aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
+            aten.transpose_.default, aten.t_.default, aten.swapdims_.default,
+            aten.swapaxes_.default, aten.as_strided_.default):
+    _SPECIAL[_op] = _restride_
 
 
 # -- factories on the device -------------------------------------------------------------------

@@ -55,9 +55,65 @@ def default_sharding():
 
 
 def upload_node(t: torch.Tensor, sharding=None) -> ir.Node:
-    """Copies CPU tensor ``t`` to the devices (asynchronously) and returns its data node."""
-    array = jax.device_put(torch_to_numpy(t), sharding or default_sharding())
+    """Copies CPU tensor ``t`` to the devices (asynchronously) and returns its data node.
+
+    Under ``compile_only()`` a meta tensor becomes a data node without data (see there).
+    """
+    sharding = sharding or default_sharding()
+    if t.device.type == "meta":
+        if not _COMPILE_ONLY["on"]:
+            raise RuntimeError(
+                "Cannot copy a meta tensor to the xshard device: it has no data. Materialise it "
+                "first, or build the program inside xshard.compile_only() to study it without "
+                "data (compile and analyse only).")
+        aval = jax.ShapeDtypeStruct(tuple(t.shape), to_numpy_dtype(t.dtype), sharding=sharding)
+        return ir.data_node(aval, tuple(t.shape), t.dtype, sharding)
+    array = jax.device_put(torch_to_numpy(t), sharding)
     return ir.data_node(array, tuple(t.shape), t.dtype, array.sharding)
+
+
+# [Note: compile-only mode]
+# Inside compile_only(), meta tensors moved to the device become data nodes whose payload is a
+# jax.ShapeDtypeStruct (shape, dtype, sharding) instead of an array. Programs over them trace, lower
+# and compile as usual, so XLA's memory and cost analyses are available for meshes and models larger
+# than the machine (e.g. 256 virtual devices, billions of parameters), but nothing can run: a sync or a
+# read over such inputs raises.
+_COMPILE_ONLY = {"on": False}
+
+
+class CompileOnlyError(RuntimeError):
+    pass
+
+
+class compile_only:
+    """Context manager: meta tensors become data-free device tensors (compile and analyse only).
+
+    Example:
+        >>> with xshard.compile_only():
+        ...     with torch.device("meta"):
+        ...         model = GPT(cfg)
+        ...     model = FSDP(model)                 # parameters without data, sharded
+        ...     loss = model(x, y); loss.backward(); opt.step()
+        ...     stats = xshard.memory.analyze_step()   # compiled, never run
+    """
+
+    def __enter__(self):
+        self._previous = _COMPILE_ONLY["on"]
+        _COMPILE_ONLY["on"] = True
+        return self
+
+    def __exit__(self, *exc):
+        _COMPILE_ONLY["on"] = self._previous
+        return False
+
+
+def _check_runnable(graph: "Graph") -> None:
+    for node in graph.inputs:
+        if node.op is ir.DATA and isinstance(node.payload, jax.ShapeDtypeStruct):
+            raise CompileOnlyError(
+                "This graph reads tensors created under xshard.compile_only(), which have no data: "
+                "it can be compiled and analysed (xshard.memory.analyze_step()), not run. Drop "
+                "those tensors (del, or leave the compile_only block) before syncing real work.")
 
 
 def to_cpu(t: XTensor) -> torch.Tensor:
@@ -333,28 +389,47 @@ def _seq(cell):
     return cell.seq
 
 
+class PendingStep:
+    """What a sync would run now: the pending cells, their graph, and which output each gets."""
+
+    __slots__ = ("cells", "owners", "graph")
+
+    def __init__(self):
+        self.cells = sorted((c for c in list(LIVE_CELLS) if not c.value.is_data
+                             and not c.value.manual and c.error is None), key=_seq)
+        held = {id(c.value.payload) for c in list(LIVE_CELLS) if c.value.is_data}
+        outputs, seen, self.owners = [], {}, []
+        for c in self.cells:
+            key = (id(c.value), c.sharding)
+            if key not in seen:
+                seen[key] = len(outputs)
+                outputs.append(_output(c.value, c.sharding))
+            self.owners.append(seen[key])
+        self.graph = Graph(outputs, donate_ok=lambda array: id(array) not in held)
+
+
+def pending_step() -> PendingStep:
+    return PendingStep()
+
+
 def sync(wait: bool = False) -> None:
     """Compiles (or reuses) and dispatches one graph computing every pending live tensor."""
-    cells = sorted((c for c in list(LIVE_CELLS) if not c.value.is_data and not c.value.manual),
-                   key=_seq)
-    if not cells:
+    step = PendingStep()
+    if not step.cells:
         if wait:
             wait_all()
         return
-    held = {id(c.value.payload) for c in list(LIVE_CELLS) if c.value.is_data}
-    outputs, seen, owners = [], {}, []
-    for c in cells:
-        key = (id(c.value), c.sharding)
-        if key not in seen:
-            seen[key] = len(outputs)
-            outputs.append(_output(c.value, c.sharding))
-        owners.append(seen[key])
-    graph = Graph(outputs, donate_ok=lambda array: id(array) not in held)
-    exe = executable(graph)
+    graph = step.graph
+    _check_runnable(graph)
+    try:
+        exe = executable(graph)
+    except Exception as error:
+        _quarantine(step.cells, error)
+        raise
     start = time.perf_counter()
     results = exe.compiled(*graph.input_values())
     metrics.METRICS.record_execute(time.perf_counter() - start)
-    for c, pos in zip(cells, owners):
+    for c, pos in zip(step.cells, step.owners):
         node = c.value
         array = results[pos]
         c.write(ir.data_node(array, node.shape, node.dtype, array.sharding))
@@ -362,9 +437,25 @@ def sync(wait: bool = False) -> None:
         wait_all()
 
 
+def _quarantine(cells, error) -> None:
+    """After a graph failed to compile: marks the pending cells whose own graph fails (all of them
+    when none fails alone), so later syncs run the rest. Reading a marked tensor raises again."""
+    failed = False
+    for c in cells:
+        try:
+            _lower(Graph([c.value]))
+        except Exception as e:  # noqa: BLE001  (any lowering error marks the cell)
+            c.error = e
+            failed = True
+    if not failed:
+        for c in cells:
+            c.error = error
+
+
 def evaluate(nodes) -> list:
     """Computes ``nodes`` without binding the results to any tensor (no donation)."""
     graph = Graph(list(nodes))
+    _check_runnable(graph)
     exe = executable(graph)
     start = time.perf_counter()
     out = exe.compiled(*graph.input_values())

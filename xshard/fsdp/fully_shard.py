@@ -105,6 +105,7 @@ class FSDP:
         self._fsdp_shard_output = shard_output
         self._fsdp_shard_input = shard_input
         self._fsdp_sync_grads = True
+        self._fsdp_release_queued = False
         _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
         units = select_units(self, auto_wrap_policy)
         owned: set = set()
@@ -198,7 +199,8 @@ def _shard_parameters(root: nn.Module, mesh: Mesh, on_dim_0: bool, mp: MixedPrec
                     spmd_api.mark_sharding(t, mesh, _spec(param_annotation(t, mesh, on_dim_0)))
                 return t
             annotation = param_annotation(t, mesh, on_dim_0)
-            node = spmd_api.upload_sharded(t.detach().cpu(), annotation)
+            source = t.detach() if t.device.type == "meta" else t.detach().cpu()
+            node = spmd_api.upload_sharded(source, annotation)
             out = xt.new_base(node)
             out._cell.sharding = annotation
             return out
@@ -270,6 +272,8 @@ class _Unit:
             self._hooks = None
         for m, name, i in self.slots:
             m._parameters[name] = self.params[i]
+        # Holding the gathered tensors would make them outputs of the next sync (full copies).
+        self.gathered_cells = {}
         self.state = TrainingState.IDLE
         return None
 
@@ -300,11 +304,22 @@ class _Unit:
         return None
 
     def gather_for_backward(self, grads):
+        if not self.root._fsdp_release_queued:
+            self.root._fsdp_release_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.root_release)
         with torch.no_grad():
             fenced = optimization_barrier([p.detach() for p in self.params] + list(grads))
             self.backward_gathered = [
                 _gathered_tensor(fenced[i], self.replicated[i], self.root._fsdp_mp)
                 for i in range(len(self.params))]
+
+
+    def root_release(self):
+        """End of backward: drop every unit's gathered parameters (see post_forward)."""
+        for unit in self.root._fsdp_units:
+            unit.backward_gathered = None
+            unit.state = TrainingState.IDLE
+        self.root._fsdp_release_queued = False
 
 
 class _Regather:

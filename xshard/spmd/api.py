@@ -62,6 +62,10 @@ def _resharder(logical_shape, padded_shape, jax_sharding):
 def reshard_data(node: ir.Node, annotation: sh.Annotation) -> ir.Node:
     """Device data laid out as ``annotation`` says (padded at the end where dims don't divide)."""
     padded = annotation.padded_shape(node.shape)
+    jax = runtime.jax_module()
+    if isinstance(node.payload, jax.ShapeDtypeStruct):  # compile-only data: no values to move
+        aval = jax.ShapeDtypeStruct(padded, node.payload.dtype, sharding=annotation.jax_sharding)
+        return ir.data_node(aval, node.shape, node.dtype, annotation.jax_sharding)
     fn = _resharder(tuple(node.shape), padded, annotation.jax_sharding)
     array = fn(node.payload)
     return ir.data_node(array, node.shape, node.dtype, array.sharding)
@@ -72,7 +76,7 @@ def upload_sharded(cpu: torch.Tensor, annotation: sh.Annotation) -> ir.Node:
     logical = tuple(cpu.shape)
     padded = annotation.padded_shape(logical)
     if padded != logical:
-        full = torch.zeros(padded, dtype=cpu.dtype)
+        full = torch.zeros(padded, dtype=cpu.dtype, device=cpu.device)
         full[tuple(slice(0, n) for n in logical)] = cpu
         cpu = full
     node = graph.upload_node(cpu, annotation.jax_sharding)
@@ -133,14 +137,39 @@ def _annotate(t: XTensor, annotation: sh.Annotation) -> None:
 
 
 def clear_sharding(t: torch.Tensor) -> torch.Tensor:
-    """Removes ``t``'s annotation (its data keeps its current layout until the next sync).
+    """Removes ``t``'s annotation; ``get_sharding_spec(t)`` is then ''.
+
+    Device data goes back to the default layout (replicated on every device), as for any
+    unannotated tensor; a pending value loses the constraint its mark added. XLA may still choose to
+    shard a later result of a sync.
 
     Returns:
         ``t``.
     """
     t = _device_tensor(t, "clear_sharding")
-    t._cell.sharding = None
+    _base_only(t, "clear_sharding")
+    cell = t._cell
+    cell.sharding = None
+    value = cell.value
+    if value.manual:
+        return t
+    if value.is_data:
+        if get_sharding_spec(t):
+            array = _replicator(tuple(value.shape))(value.payload)
+            cell.write(ir.data_node(array, value.shape, value.dtype, array.sharding))
+    elif value.op == graph.CONSTRAIN:
+        cell.write(value.inputs[0])
     return t
+
+
+@functools.lru_cache(maxsize=256)
+def _replicator(logical_shape):
+    def replicate(x):
+        if x.shape != logical_shape:  # drop the padding of an uneven sharding
+            x = x[tuple(slice(0, n) for n in logical_shape)]
+        return x
+
+    return runtime.jax_module().jit(replicate, out_shardings=graph.default_sharding())
 
 
 def mark_sharding_with_gradients(t: torch.Tensor, mesh: Mesh, partition_spec) -> torch.Tensor:
