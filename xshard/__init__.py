@@ -50,6 +50,8 @@ def manual_seed(seed: int) -> None:
     rng.manual_seed(seed)
 
 
+from xshard import memory  # noqa: E402  (per-device memory and FLOPs of a step)
+
 __all__ = ["device", "devices", "device_count", "process_index", "process_count", "initialize",
            "sync", "mark_step", "wait", "manual_seed", "metrics", "debug", "runtime",
-           "optimization_barrier", "optimization_barrier_", "compile_only"]
+           "optimization_barrier", "optimization_barrier_", "compile_only", "memory"]

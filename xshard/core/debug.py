@@ -36,9 +36,9 @@ def stablehlo_text(tensors) -> str:
 
 def compiled_hlo_text(tensors) -> str:
     """HLO text after XLA's passes, SPMD partitioning included (the collectives are visible)."""
-    return graph._lower(_graph(tensors)).compile().as_text()
+    return graph.compile_graph(_graph(tensors)).as_text()
 
 
 def memory_analysis(tensors):
     """XLA's compiled memory statistics for the graph computing ``tensors`` (per device)."""
-    return graph._lower(_graph(tensors)).compile().memory_analysis()
+    return graph.compile_graph(_graph(tensors)).memory_analysis()

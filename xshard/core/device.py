@@ -22,6 +22,8 @@ def register() -> None:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _LIB.impl(name, _factory_kernel(op), "PrivateUse1")
+    # copy_ between devices with the Python key excluded (torch.tensor(data, device=...)).
+    _LIB.impl("_copy_from", dispatch.copy_from, "PrivateUse1")
     # torch.optim picks its fast foreach implementation only for tensor types it knows.
     from torch.optim import optimizer
 

@@ -68,6 +68,10 @@ def _dynamic_kind(arg):
     if type_str in ("number", "Optional[number]", "float", "Optional[float]", "List[number]",
                     "List[float]"):
         return (arg.default_value if arg.has_default_value() else _NO_DEFAULT,)
+    if type_str in ("Tensor", "Optional[Tensor]"):
+        # ``t / 0.5`` reaches us as div.Tensor(t, 0.5): the wrapped number is a scalar input too,
+        # or every step of Adam's for-loop form (bias corrections) would compile anew.
+        return (_NO_DEFAULT,)
     return None
 
 
@@ -90,10 +94,26 @@ def _functional_twin(func, info):
         base = special.get(name, base)
         if base is None:
             return None
-        return getattr(aten, base, None)
+        return _matching_overload(getattr(aten, base, None), func, ())
     if info.out_names:
-        return getattr(aten, name, None)
-    return getattr(aten, name + "_functional", None)
+        return _matching_overload(getattr(aten, name, None), func, info.out_names)
+    return _matching_overload(getattr(aten, name + "_functional", None), func, ())
+
+
+def _matching_overload(packet, func, skip):
+    """The overload of ``packet`` taking ``func``'s arguments (less ``skip``), else the packet.
+
+    Calling a packet makes PyTorch try its overloads one by one, and a failed try formats the
+    arguments, which calls ``repr`` of xshard tensors: a device read per op.
+    """
+    if packet is None:
+        return None
+    want = [(a.name, str(a.type)) for a in func._schema.arguments if a.name not in skip]
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        if [(a.name, str(a.type)) for a in overload._schema.arguments] == want:
+            return overload
+    return packet
 
 
 @functools.cache
@@ -305,7 +325,10 @@ def _mutating(func, info, args, kwargs):
             _write(dst, src)
         return outs[0] if len(outs) == 1 else tuple(outs)
     if info.inplace:
-        result = functional(*args, **kwargs)
+        if _first_argument(functional) != "self":  # polygamma_(self, n) vs polygamma(n, self)
+            result = functional(**_bind(func, args, kwargs))
+        else:
+            result = functional(*args, **kwargs)
         target = args[0]
         if isinstance(target, (list, tuple)):
             for dst, src in zip(target, result):
@@ -320,6 +343,13 @@ def _mutating(func, info, args, kwargs):
         _write(bound[name], new)
     own = result[: len(result) - n_written]
     return own[0] if len(own) == 1 else tuple(own)
+
+
+def _first_argument(op) -> str:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = getattr(op, op.overloads()[0])
+    schema = op._schema
+    return schema.arguments[0].name if schema.arguments else ""
 
 
 def _bind(func, args, kwargs) -> dict:
@@ -554,7 +584,7 @@ FACTORIES = (
     "empty.memory_format", "empty_strided", "full", "zeros", "ones", "arange.start_step",
     "arange", "arange.start",
     "eye", "eye.m", "linspace", "logspace", "rand", "randn", "randint", "randint.low",
-    "randperm", "scalar_tensor", "empty_like",
+    "randperm", "scalar_tensor", "empty_like", "tril_indices", "triu_indices",
 )
 
 

@@ -68,7 +68,9 @@ def upload_node(t: torch.Tensor, sharding=None) -> ir.Node:
                 "data (compile and analyse only).")
         aval = jax.ShapeDtypeStruct(tuple(t.shape), to_numpy_dtype(t.dtype), sharding=sharding)
         return ir.data_node(aval, tuple(t.shape), t.dtype, sharding)
-    array = jax.device_put(torch_to_numpy(t), sharding)
+    # A private copy: JAX reads (CPU: may even keep) the host buffer after device_put returns, so
+    # a later in-place write to the CPU tensor would otherwise change the device value.
+    array = jax.device_put(np.array(torch_to_numpy(t), copy=True), sharding)
     return ir.data_node(array, tuple(t.shape), t.dtype, array.sharding)
 
 
@@ -182,7 +184,7 @@ class Graph:
                 values.append(np.asarray(node.payload, to_numpy_dtype(node.dtype)))
             else:
                 values.append(node.payload)
-        return values
+        return _colocate(values)
 
     def describe(self):
         """What a recompile log compares: input avals and the op sequence."""
@@ -190,6 +192,52 @@ class Graph:
                for n in self.inputs]
         ops = [str(n.op) for n in self.order if n.op is not ir.DATA and n.op is not ir.SCALAR]
         return ins, ops
+
+
+# [Note: default placement on a sub-mesh]
+# Unannotated data is replicated over every device. A graph that also reads data laid out on a mesh
+# over fewer devices (e.g. FSDP on Mesh(range(4), (4,), ('fsdp',))) would mix device sets, which jit
+# refuses ("incompatible devices"); such default-placed inputs are copied, replicated, onto the
+# devices of the other inputs. Only when those all share one device set: a graph mixing two
+# different sub-meshes is the user's error, and jit says so.
+def _colocate(values):
+    all_devices = len(runtime.devices())
+    if all_devices == 1:
+        return values
+    placed, default = set(), []
+    for i, v in enumerate(values):
+        sharding = getattr(v, "sharding", None)
+        if sharding is None:
+            continue
+        devices = sharding.device_set
+        if len(devices) == all_devices:
+            if sharding.is_fully_replicated:
+                default.append(i)
+        else:
+            placed.add(frozenset(devices))
+    if not default or len(placed) != 1:
+        return values
+    target = _replicated_on(next(iter(placed)))
+    values = list(values)
+    for i in default:
+        v = values[i]
+        if isinstance(v, jax.ShapeDtypeStruct):
+            values[i] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target)
+        else:
+            values[i] = jax.device_put(v, target)
+    return values
+
+
+_REPLICATED_ON: dict = {}
+
+
+def _replicated_on(devices: frozenset):
+    sharding = _REPLICATED_ON.get(devices)
+    if sharding is None:
+        mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("xshard_sub",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        _REPLICATED_ON[devices] = sharding
+    return sharding
 
 
 class Program:
@@ -294,6 +342,26 @@ def _lower(graph: Graph):
         return jitted.lower(*graph.input_values())
 
 
+# Compiler options a graph needs because it contains some op: op -> function returning a dict of
+# XLA debug options (e.g. barrier.py's, see [Note: barriers on the CPU backend]).
+OP_COMPILER_OPTIONS: dict = {}
+
+
+def compiler_options(graph: Graph) -> dict:
+    """The XLA options for compiling ``graph``: the union of those its ops ask for."""
+    options = {}
+    for op in {node.op for node in graph.order} & OP_COMPILER_OPTIONS.keys():
+        options.update(OP_COMPILER_OPTIONS[op]())
+    return options
+
+
+def compile_graph(graph: Graph, lowered=None):
+    """Compiles ``graph`` (lowered already, or lowered here) with the options its ops need."""
+    if lowered is None:
+        lowered = _lower(graph)
+    return lowered.compile(compiler_options(graph) or None)
+
+
 def executable(graph: Graph) -> Executable:
     key = (graph.key, tuple(n.sharding for n in graph.inputs if n.op is ir.DATA))
     exe = _CACHE.get(key)
@@ -303,7 +371,7 @@ def executable(graph: Graph) -> Executable:
     _log_recompile(graph)
     start = time.perf_counter()
     lowered = _lower(graph)
-    compiled = lowered.compile()
+    compiled = compile_graph(graph, lowered)
     metrics.METRICS.record_compile(time.perf_counter() - start)
     exe = Executable(compiled, graph.describe(), lowered)
     _CACHE[key] = exe
@@ -395,9 +463,12 @@ class PendingStep:
     __slots__ = ("cells", "owners", "graph")
 
     def __init__(self):
-        self.cells = sorted((c for c in list(LIVE_CELLS) if not c.value.is_data
+        live = list(LIVE_CELLS)
+        self.cells = sorted((c for c in live if not c.value.is_data
                              and not c.value.manual and c.error is None), key=_seq)
-        held = {id(c.value.payload) for c in list(LIVE_CELLS) if c.value.is_data}
+        held = {id(c.value.payload) for c in live if c.value.is_data}
+        # Values inside an open manual region stay pending and may read any input: donate nothing.
+        open_region = any(c.value.manual for c in live)
         outputs, seen, self.owners = [], {}, []
         for c in self.cells:
             key = (id(c.value), c.sharding)
@@ -405,7 +476,8 @@ class PendingStep:
                 seen[key] = len(outputs)
                 outputs.append(_output(c.value, c.sharding))
             self.owners.append(seen[key])
-        self.graph = Graph(outputs, donate_ok=lambda array: id(array) not in held)
+        self.graph = Graph(outputs,
+                           donate_ok=lambda array: not open_region and id(array) not in held)
 
 
 def pending_step() -> PendingStep:

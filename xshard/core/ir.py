@@ -90,7 +90,29 @@ class Node:
 
 def data_node(array, shape, dtype, sharding=None) -> Node:
     """A node holding device data; ``shape`` is the logical (unpadded) shape."""
+    if sharding is not None:
+        sharding = _representative(sharding, len(shape))
     return Node(DATA, shape=tuple(shape), dtype=dtype, payload=array, sharding=sharding)
+
+
+# Equivalent jax shardings (a NamedSharding and the GSPMDSharding XLA hands back for the same
+# layout) hash differently; a data node keeps one representative per layout so that the graph key,
+# and with it the executable cache, does not change between steps that lay data out the same way.
+_REPRESENTATIVES: dict = {}
+_BY_LAYOUT: dict = {}
+
+
+def _representative(sharding, ndim: int):
+    key = (sharding, ndim)
+    rep = _REPRESENTATIVES.get(key)
+    if rep is None:
+        try:
+            layout = (str(sharding._to_xla_hlo_sharding(ndim)),
+                      tuple(d.id for d in sharding._device_assignment), sharding.memory_kind)
+        except Exception:  # a sharding kind without an HLO form: keep it as it is
+            layout = key
+        rep = _REPRESENTATIVES[key] = _BY_LAYOUT.setdefault(layout, sharding)
+    return rep
 
 
 def scalar_node(value) -> Node:

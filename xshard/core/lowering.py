@@ -124,7 +124,8 @@ _UNARY_FLOAT = {
     aten.cosh: jnp.cosh, aten.tanh: jnp.tanh, aten.asinh: jnp.arcsinh, aten.acosh: jnp.arccosh,
     aten.atanh: jnp.arctanh, aten.sigmoid: jax.nn.sigmoid, aten.erf: jax.scipy.special.erf,
     aten.erfc: jax.scipy.special.erfc, aten.erfinv: jax.scipy.special.erfinv,
-    aten.lgamma: jax.scipy.special.gammaln, aten.digamma: jax.scipy.special.digamma,
+    aten.lgamma: jax.scipy.special.gammaln,
+    aten.digamma: lambda x: jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x)),
     aten.i0: jax.scipy.special.i0, aten.special_i0e: jax.scipy.special.i0e,
     aten.special_i1: jax.scipy.special.i1, aten.special_i1e: jax.scipy.special.i1e,
     aten.reciprocal: jnp.reciprocal, aten.deg2rad: jnp.deg2rad, aten.rad2deg: jnp.rad2deg,
@@ -141,8 +142,22 @@ _UNARY_SAME = {
     aten.trunc: jnp.trunc, aten.sign: jnp.sign, aten.bitwise_not: lambda x: ~x,
     aten.positive: lambda x: x, aten.square: lambda x: x * x,
 }
+# Identities on bools (all but bitwise_not/square) and, for rounding, on integers.
+_IDENTITY_ON_INT = {aten.floor, aten.ceil, aten.trunc}
+
+
+def _unary_same(op, fn):
+    def lower(x):
+        if x.dtype == np.bool_ and op not in (aten.bitwise_not, aten.square):
+            return x
+        if op in _IDENTITY_ON_INT and _category(x.dtype) != _FLOAT:
+            return x
+        return fn(x)
+    return lower
+
+
 for _op, _fn in _UNARY_SAME.items():
-    rule(_op)(lambda x, _fn=_fn: _fn(x) if x.dtype != np.bool_ or _fn is not jnp.negative else x)
+    rule(_op)(_unary_same(_op, _fn))
 
 
 @rule(aten.round.default)
@@ -163,7 +178,7 @@ def _frac(x):
 
 @rule(aten.sgn)
 def _sgn(x):
-    return jnp.sign(x)
+    return x if x.dtype == np.bool_ else jnp.sign(x)
 
 
 @rule(aten.logical_not)
@@ -369,6 +384,7 @@ def _div(a, b, rounding_mode=None):
         return a / b
     if rounding_mode == "trunc":
         if _category(a.dtype) == _INT:
+            a, b = jnp.broadcast_arrays(a, b)
             return lax.div(a, b)
         return jnp.trunc(a / b)
     return _floor_divide(a, b)
@@ -399,11 +415,20 @@ def _pow(a, b):
     if isinstance(b, (int, float)) and not isinstance(b, bool) and hasattr(a, "dtype"):
         if float(b) == int(b) and abs(b) <= 4 and (b >= 0 or _category(a.dtype) >= _FLOAT):
             return lax.integer_pow(_compute(a, result_dtype(a, b)), int(b))
-    if isinstance(a, (int, float)):
-        a, b = promote(a, b)
-    else:
-        a, b = promote(a, b)
+    a, b = promote(a, b)
+    if _category(a.dtype) == _INT:
+        return _int_pow(a, b)
     return jnp.power(a, b)
+
+
+def _int_pow(a, b):
+    """Integer powers: a negative exponent gives 0 unless the base is 1 or -1 (as in ATen)."""
+    a, b = jnp.broadcast_arrays(a, b)
+    positive = jnp.power(a, jnp.maximum(b, 0))
+    one = jnp.ones((), a.dtype)
+    negative = jnp.where(a == 1, one, jnp.where(a == -1, jnp.where(b % 2 == 0, one, -one),
+                                                 jnp.zeros((), a.dtype)))
+    return jnp.where(b < 0, negative, positive)
 
 
 @rule(aten.where)
@@ -540,6 +565,16 @@ def _arange(start, end, step=1, dtype=None, **kwargs):
                                else np.int64) * step).astype(dtype)
 
 
+@rule(aten.tril_indices.default)
+def _tril_indices(row, col, offset=0, dtype=None, **kwargs):
+    return jnp.asarray(np.stack(np.tril_indices(row, offset, col)), np_dtype(dtype))
+
+
+@rule(aten.triu_indices.default)
+def _triu_indices(row, col, offset=0, dtype=None, **kwargs):
+    return jnp.asarray(np.stack(np.triu_indices(row, offset, col)), np_dtype(dtype))
+
+
 @rule(aten.eye.default)
 def _eye(n, dtype=None, **kwargs):
     return jnp.eye(n, dtype=np_dtype(dtype))
@@ -610,8 +645,9 @@ def _randint_low(low, high, size, dtype=None, _key=None, **kwargs):
 
 @rule(aten.rand_like.default)
 def _rand_like(x, dtype=None, _key=None, **kwargs):
-    return _rand(x.shape, dtype, _key=_key) if dtype is not None else jax.random.uniform(
-        _key_of(_key), x.shape, x.dtype)
+    dtype = np_dtype(dtype) if dtype is not None else x.dtype
+    compute = dtype if _category(dtype) == _FLOAT else np.float32
+    return jax.random.uniform(_key_of(_key), x.shape, compute).astype(dtype)
 
 
 @rule(aten.randn_like.default)
@@ -974,13 +1010,16 @@ def _scatter(x, dim, index, src):
 @rule(aten.scatter_add)
 def _scatter_add(x, dim, index, src):
     if x.ndim == 0:
-        return x + src.reshape(())
+        return _add(x, src.reshape(()))
     src = src[tuple(slice(0, n) for n in index.shape)]
-    return x.at[_scatter_indices(x, dim, index)].add(src.astype(x.dtype))
+    return _scatter_sum(x, _scatter_indices(x, dim, index), src.astype(x.dtype))
 
 
 @rule(aten.scatter_reduce.two)
 def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
+    if x.dtype == np.bool_:  # sum is "or", prod is "and": reduce as integers
+        return _scatter_reduce(x.astype(np.int32), dim, index, src.astype(np.int32), reduce,
+                               include_self) != 0
     src = src[tuple(slice(0, n) for n in index.shape)].astype(x.dtype)
     idx = _scatter_indices(x, dim, index)
     if reduce == "sum":
@@ -1034,16 +1073,30 @@ def _index(x, indices):
 @rule(aten.index_put)
 def _index_put(x, indices, values, accumulate=False):
     if any(i is not None and i.dtype == np.bool_ for i in indices):
-        if len(indices) == 1 and indices[0].shape == x.shape[:indices[0].ndim]:
-            mask = indices[0].reshape(indices[0].shape + (1,) * (x.ndim - indices[0].ndim))
-            values = values.astype(x.dtype)
-            if values.size == 1 or jnp.ndim(values) == 0:
-                v = jnp.reshape(values, ())
-                return jnp.where(mask, x + v if accumulate else v, x)
-        raise NotImplementedError("boolean mask index_put with non-scalar values")
+        return _mask_put(x, indices, values, accumulate)
     idx = _index_tuple(x, indices)
     values = values.astype(x.dtype)
-    return x.at[idx].add(values) if accumulate else x.at[idx].set(values)
+    return _scatter_sum(x, idx, values) if accumulate else x.at[idx].set(values)
+
+
+def _mask_put(x, indices, values, accumulate):
+    """``x[..., mask, ...] = values`` with one boolean mask: the k-th True takes the k-th value.
+
+    The number of Trues is data, but ``values`` has a static shape, so each masked element gathers
+    its value by its rank among the Trues (a cumulative sum) and the write is a ``where``.
+    """
+    p = next(n for n, i in enumerate(indices) if i is not None)
+    mask = indices[p]
+    if any(i is not None for i in indices[p + 1:]) or mask.dtype != np.bool_:
+        raise NotImplementedError("index_put mixing a boolean mask with other index tensors")
+    before, after = x.shape[:p], x.shape[p + mask.ndim:]
+    values = values.astype(x.dtype)
+    k = values.shape[values.ndim - len(after) - 1] if values.ndim > len(after) else 1
+    values = jnp.broadcast_to(values, before + (k,) + after)
+    rank = jnp.clip(jnp.cumsum(mask.ravel().astype(jnp.int32)) - 1, 0, k - 1)
+    gathered = jnp.take(values, rank.reshape(mask.shape), axis=p)
+    where = mask.reshape((1,) * p + mask.shape + (1,) * len(after))
+    return jnp.where(where, x + gathered if accumulate else gathered, x)
 
 
 @rule(aten.index_fill)
@@ -1058,10 +1111,18 @@ def _index_fill(x, dim, index, value):
 @rule(aten.index_add)
 def _index_add(x, dim, index, source, alpha=1):
     if x.ndim == 0:
-        return x + source * alpha
+        return _add(x, jnp.reshape(source, ()), alpha)
     idx = [slice(None)] * x.ndim
     idx[dim % x.ndim] = index
-    return x.at[tuple(idx)].add((source * alpha).astype(x.dtype))
+    source = _scale(source.astype(x.dtype), alpha)
+    return _scatter_sum(x, tuple(idx), source)
+
+
+def _scatter_sum(x, idx, values):
+    """``x.at[idx].add(values)``; for bools the sum is a logical or."""
+    if x.dtype == np.bool_:
+        return x.at[idx].max(values)
+    return x.at[idx].add(values)
 
 
 @rule(aten.index_copy)
@@ -1351,15 +1412,20 @@ def _mm(a, b):
     return _matmul(a, b)
 
 
+def _scale(x, factor):
+    """``x * factor`` for a Python (or weak 0-d) ``factor``, cast to x's dtype as ATen does."""
+    if isinstance(factor, (int, float)) and factor == 1:
+        return x
+    return x * jnp.asarray(factor, x.dtype)
+
+
 @rule(aten.addmm)
 def _addmm(bias, a, b, beta=1, alpha=1):
     out = _matmul(a, b)
-    if not (isinstance(alpha, (int, float)) and alpha == 1):
-        out = out * alpha
+    out = _scale(out, alpha)
     if isinstance(beta, (int, float)) and beta == 0:
-        return jnp.broadcast_to(out, out.shape)
-    bias = bias if isinstance(beta, (int, float)) and beta == 1 else bias * beta
-    return out + bias.astype(out.dtype)
+        return out  # bias is ignored, NaN included
+    return out + _scale(bias.astype(out.dtype), beta)
 
 
 @rule(aten.baddbmm)
@@ -1374,10 +1440,21 @@ def _addmv(bias, a, v, beta=1, alpha=1):
 
 @rule(aten.addbmm)
 def _addbmm(bias, a, b, beta=1, alpha=1):
-    out = jnp.sum(_matmul(a, b), axis=0) * alpha
+    out = _scale(jnp.sum(_matmul(a, b), axis=0), alpha)
     if isinstance(beta, (int, float)) and beta == 0:
         return out
-    return out + bias * beta
+    return out + _scale(bias.astype(out.dtype), beta)
+
+
+@rule(aten.complex)
+def _complex(real, imag):
+    return lax.complex(*jnp.broadcast_arrays(*promote(real, imag)))
+
+
+@rule(aten.polar)
+def _polar(absolute, angle):
+    absolute, angle = jnp.broadcast_arrays(*promote(absolute, angle))
+    return lax.complex(absolute * jnp.cos(angle), absolute * jnp.sin(angle))
 
 
 @rule(aten.outer)

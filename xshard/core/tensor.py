@@ -28,7 +28,7 @@ aten = torch.ops.aten
 class Cell:
     """The storage of a base tensor: its current value and a write counter."""
 
-    __slots__ = ("value", "version", "sharding", "seq", "__weakref__")
+    __slots__ = ("value", "version", "sharding", "seq", "error", "source", "__weakref__")
 
     def __init__(self, value: ir.Node, sharding=None):
         self.value = value
@@ -38,11 +38,23 @@ class Cell:
         self.seq = next(_CELL_SEQ)
         # A sharding annotation (opaque to core; see xshard.spmd). Outputs of a sync keep it.
         self.sharding = sharding
+        # The error that compiling this cell's pending value raised: a sync then leaves the cell
+        # out (so one bad tensor does not block every later step); reading it raises again.
+        self.error = None
+        # The device data node this cell held before its current pending value: the input a sync
+        # reads for it (xshard.memory attributes graph inputs to parameters and optimizer state
+        # by it). None while the value is data, or pending from the start.
+        self.source = None
         LIVE_CELLS.add(self)
 
     def write(self, value: ir.Node) -> None:
+        if value.is_data:
+            self.source = None
+        elif self.value.is_data:
+            self.source = self.value
         self.value = value
         self.version += 1
+        self.error = None
 
 
 _CELL_SEQ = itertools.count()
@@ -189,6 +201,19 @@ class XTensor(torch.Tensor):
         if self.requires_grad and "requires_grad" not in text:
             text = text[:-1] + ", requires_grad=True)"
         return text
+
+    def tolist(self):
+        # PyTorch's C tolist() refuses tensor subclasses; read the value and convert on the host.
+        from xshard.core import graph
+
+        return graph.to_cpu(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        if not force:
+            raise TypeError(
+                f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to "
+                f"copy the tensor to host memory first.")
+        return self.detach().cpu().numpy()
 
     def __deepcopy__(self, memo):
         if id(self) in memo:

@@ -31,3 +31,9 @@ from xshard.spmd.manual import (all_gather, all_reduce, all_to_all, disable_manu
 
 __all__ += ["enable_manual_sharding", "disable_manual_sharding", "shard_map", "all_reduce",
             "all_gather", "reduce_scatter", "all_to_all", "ppermute"]
+
+from xshard.spmd.loader import MpDeviceLoader, ShardingSpec, send_cpu_data_to_device  # noqa: E402
+from xshard.spmd.debugging import visualize_sharding, visualize_tensor_sharding  # noqa: E402
+
+__all__ += ["ShardingSpec", "MpDeviceLoader", "send_cpu_data_to_device", "visualize_sharding",
+            "visualize_tensor_sharding"]

@@ -121,7 +121,8 @@ def shard_map(fn, mesh: Mesh, in_specs, out_specs):
             call the collectives of this module.
         mesh: the mesh.
         in_specs: one partition spec per input.
-        out_specs: one partition spec per output (a single spec for a single output).
+        out_specs: a partition spec when ``fn`` returns a tensor; a tuple with one spec per output
+            when it returns a tuple or list.
 
     Returns:
         A function of global tensors returning global tensors.
@@ -129,16 +130,20 @@ def shard_map(fn, mesh: Mesh, in_specs, out_specs):
     Example:
         >>> total = xs.shard_map(lambda x: xs.all_reduce(x.sum(0), "data"), mesh,
         ...                      in_specs=(("data", None),), out_specs=(None,))(x)  # doctest: +SKIP
+        >>> a, b = xs.shard_map(lambda x: (x + 1, x.sum(0)), mesh, in_specs=(("data", None),),
+        ...                     out_specs=(("data", None), ("data",)))(x)  # doctest: +SKIP
     """
-    single = not isinstance(out_specs, list) and (
-        not isinstance(out_specs, tuple) or not out_specs or not isinstance(
-            out_specs[0], (tuple, list)) and out_specs[0] is not None)
-
     def wrapped(*tensors):
         if len(tensors) != len(in_specs):
             raise ValueError(f"shard_map got {len(tensors)} inputs for {len(in_specs)} in_specs.")
         locals_ = [enable_manual_sharding(t, s, mesh=mesh) for t, s in zip(tensors, in_specs)]
         result = fn(*locals_)
+        # What fn returns decides how out_specs reads: one spec for a tensor, one spec per output
+        # for a tuple or list (a spec alone cannot tell: (("a", "b"), ("c",)) could be either).
+        single = isinstance(result, torch.Tensor)
+        if not single and not isinstance(result, (tuple, list)):
+            raise TypeError(f"shard_map: fn must return a tensor or a tuple of tensors, got "
+                            f"{type(result).__name__}.")
         outs = [result] if single else list(result)
         specs = [out_specs] if single else list(out_specs)
         if len(outs) != len(specs):

@@ -1,0 +1,276 @@
+"""Conformance against PyTorch's OpInfo database: runs OpInfo samples on xshard, eager CPU is the oracle.
+
+One check is an OpInfo, a variant (``"function"``: ``op.op``; ``"inplace"``: ``op.inplace_variant``)
+and a dtype. For each of the first ``n_samples`` of ``op.sample_inputs('cpu', dtype)``:
+
+1. the sample runs eagerly on CPU (on a clone, since an in-place variant writes its input). If that
+   raises, the sample is not valid for this variant (an in-place op whose result dtype cannot be
+   written back into its input, for example) and is counted in ``skipped``, not as a failure;
+2. the same call runs on copies of the tensors on ``xshard.device()``, then ``xshard.sync()``;
+3. the results (and, for an in-place variant, the mutated input) are compared with
+   ``torch.testing.assert_close`` (``equal_nan=True``, ``check_stride=False``, ``check_dtype=True``).
+
+A check *fully passes* when every valid sample passes; an exception on the xshard side is a failure.
+A check whose every sample is invalid in eager is *not applicable* (excluded from the totals). An op
+that runs through the CPU fallback passes when its values match; the fallback is recorded.
+
+[Note: what the checks compare]
+- Random ops (``_RANDOM``) and ops returning uninitialised memory (``_UNINITIALISED``) have no
+  reproducible values; for them only shapes, dtypes and the device are compared.
+- Tolerances: ``assert_close``'s defaults for the dtype, widened for float32 to
+  ``rtol=1e-4, atol=1e-5`` (XLA's CPU transcendental functions and reduction orders differ from
+  ATen's in the last few bits), or a per-op override in ``_TOLERANCE``.
+
+[Note: the skip list]
+``SKIP`` names the few OpInfos that are not run, each with its reason. A skipped check that would
+otherwise apply counts as a failure (see ``skip_result``); nothing is hidden by skipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+import xshard
+from xshard import metrics
+
+DEFAULT_SAMPLES = 5
+DTYPES = (torch.float32, torch.int64, torch.bool)
+
+# OpInfos not run at all; each counts as a failure for every dtype it supports (see skip_result).
+SKIP = {
+    # Sparse / FFT-free special cases and ops whose sample generation alone takes many seconds.
+    "nn.functional.ctc_loss": "slow: hundreds of tiny CPU fallbacks per sample",
+    "svd_lowrank": "randomised LAPACK algorithm, results differ by construction",
+    "pca_lowrank": "randomised LAPACK algorithm, results differ by construction",
+}
+
+# Ops whose outputs are random: only shape, dtype and device are compared.
+_RANDOM = {
+    "bernoulli", "normal", "normal_functional", "uniform", "rand_like", "randn_like",
+    "randint_like", "randint", "randn", "rand", "randperm", "multinomial", "cauchy", "exponential",
+    "geometric", "log_normal", "nn.functional.dropout", "nn.functional.dropout2d",
+    "nn.functional.dropout3d", "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout",
+    "nn.functional.rrelu", "nn.functional.fractional_max_pool2d",
+    "nn.functional.fractional_max_pool3d", "torch.normal", "normal.number_mean",
+    "nn.functional.multi_head_attention_forward", "nn.functional.scaled_dot_product_attention",
+    "cauchy_", "exponential_", "geometric_", "log_normal_", "random_", "uniform_", "normal_",
+}
+# Ops that return uninitialised memory: only shape, dtype and device are compared.
+_UNINITIALISED = {
+    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted",
+    "torch.empty",
+}
+
+_TOLERANCE = {}  # op name -> dict(rtol=..., atol=...)
+_FLOAT32_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@dataclasses.dataclass
+class Result:
+    """The outcome of one (op, variant, dtype) check."""
+
+    op: str
+    variant: str  # "function" | "inplace"
+    dtype: str
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0  # samples whose eager run raised (not valid for this variant)
+    fallbacks: tuple = ()  # aten ops that ran through the CPU fallback
+    error: str = ""  # the first failure, one line
+    excluded: str = ""  # why the check was not run (skip list), if it was not
+    seconds: float = 0.0
+
+    @property
+    def applicable(self) -> bool:
+        return bool(self.excluded) or self.passed + self.failed > 0
+
+    @property
+    def fully_passes(self) -> bool:
+        return not self.excluded and self.failed == 0 and self.passed > 0
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def variants(op):
+    """The (name, callable) variants of an OpInfo that the harness checks."""
+    out = [("function", op.op)]
+    if op.inplace_variant is not None:
+        out.append(("inplace", op.inplace_variant))
+    return out
+
+
+def supported(op, dtypes=DTYPES):
+    return [d for d in dtypes if d in op.supported_dtypes("cpu")]
+
+
+def skip_result(op, variant, dtype) -> Result:
+    return Result(full_name(op), variant, dtype_name(dtype), excluded=SKIP[full_name(op)])
+
+
+def check(op, variant: str, dtype, n_samples: int = DEFAULT_SAMPLES) -> Result:
+    """Runs one check; see the module docstring for what is compared."""
+    if full_name(op) in SKIP:
+        return skip_result(op, variant, dtype)
+    fn = dict(variants(op))[variant]
+    result = Result(full_name(op), variant, dtype_name(dtype))
+    start = time.perf_counter()
+    fallbacks = set()
+    torch.manual_seed(0)
+    try:
+        samples = list(_first(op.sample_inputs("cpu", dtype), n_samples))
+    except Exception as e:  # noqa: BLE001 - a broken sample generator is not our failure
+        result.excluded = f"sample generation failed: {_one_line(e)}"
+        return result
+    for sample in samples:
+        outcome = _check_sample(op, fn, variant == "inplace", sample)
+        if outcome is None:
+            result.skipped += 1
+            continue
+        error, used = outcome
+        fallbacks |= used
+        if error is None:
+            result.passed += 1
+        else:
+            result.failed += 1
+            result.error = result.error or error
+    result.fallbacks = tuple(sorted(fallbacks))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _first(iterable, n):
+    for i, x in enumerate(iterable):
+        if i >= n:
+            return
+        yield x
+
+
+def _check_sample(op, fn, inplace, sample):
+    """None if the sample is invalid in eager; else (error message or None, fallback op names)."""
+    args = (sample.input, *sample.args)
+    cpu_args, cpu_kwargs = _clone((args, sample.kwargs))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = fn(*cpu_args, **cpu_kwargs)
+    except Exception:  # noqa: BLE001 - the sample is not valid for this variant
+        return None
+    expected_input = cpu_args[0] if inplace else None
+    before = dict(metrics.snapshot()["cpu_fallbacks"])
+    try:
+        dev_args, dev_kwargs = _to_device((args, sample.kwargs))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            actual = fn(*dev_args, **dev_kwargs)
+            xshard.sync()
+            actual = _to_cpu(actual)
+            actual_input = _to_cpu(dev_args[0]) if inplace else None
+    except Exception as e:  # noqa: BLE001 - any xshard error is a failure of this sample
+        return f"{type(e).__name__}: {_one_line(e)}", _new_fallbacks(before)
+    used = _new_fallbacks(before)
+    try:
+        _compare(op, actual, expected)
+        if inplace:
+            _compare(op, actual_input, expected_input)
+    except Exception as e:  # noqa: BLE001
+        return f"mismatch: {_one_line(e)}", used
+    return None, used
+
+
+def _new_fallbacks(before):
+    after = metrics.snapshot()["cpu_fallbacks"]
+    return {op for op, n in after.items() if n > before.get(op, 0)}
+
+
+def _clone(tree):
+    return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _to_device(tree):
+    dev = xshard.device()
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone().to(dev).requires_grad_(x.requires_grad)
+        if isinstance(x, torch.device) and x.type == "cpu":
+            return dev
+        if isinstance(x, str) and x == "cpu":
+            return dev
+        return x
+    return pytree.tree_map(move, tree)
+
+
+def _to_cpu(tree):
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                return x.detach().cpu()
+            return x.detach()
+        return x
+    return _normalise(pytree.tree_map(move, _normalise(tree)))
+
+
+def _normalise(x):
+    """Named tuples (torch.return_types) and lists compare as plain lists."""
+    if isinstance(x, (list, tuple)):
+        return [_normalise(v) for v in x]
+    return x
+
+
+def _compare(op, actual, expected):
+    expected = _normalise(pytree.tree_map(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, _normalise(expected)))
+    if op.name in _RANDOM or op.name in _UNINITIALISED:
+        return _compare_metadata(actual, expected)
+    tol = _tolerance(op, expected)
+    torch.testing.assert_close(actual, expected, equal_nan=True, check_stride=False,
+                               check_dtype=True, check_device=False, **tol)
+
+
+def _tolerance(op, expected):
+    if op.name in _TOLERANCE:
+        return _TOLERANCE[op.name]
+    leaves = [x for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)]
+    if any(x.dtype == torch.float32 for x in leaves):
+        return _FLOAT32_TOLERANCE
+    return {}
+
+
+def _compare_metadata(actual, expected):
+    a_leaves, e_leaves = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
+    if len(a_leaves) != len(e_leaves):
+        raise AssertionError(f"{len(a_leaves)} outputs, expected {len(e_leaves)}")
+    for a, e in zip(a_leaves, e_leaves):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor) or a.shape != e.shape or a.dtype != e.dtype:
+                raise AssertionError(f"got {_meta(a)}, expected {_meta(e)}")
+
+
+def _meta(x):
+    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _one_line(e, limit=160) -> str:
+    text = " ".join(str(e).split())
+    return text[:limit] + ("..." if len(text) > limit else "")
+
+
+def op_by_name(name: str, variant_name: str = ""):
+    """The OpInfo called ``name`` (and ``variant_test_name``), for parametrised tests."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    for op in op_db:
+        if op.name == name and op.variant_test_name == variant_name:
+            return op
+    raise KeyError(f"no OpInfo named {name!r} with variant {variant_name!r}")
+
+
+def full_name(op) -> str:
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")

@@ -1,0 +1,170 @@
+"""Autograd on xshard tensors: backward, grad accumulation, no_grad, detach, requires_grad_."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import xshard
+from core_testing import DEV, assert_same, counting
+
+
+def grads_of(fn, *inputs):
+    """Runs fn(*leaves).backward() on CPU and on xshard; returns (cpu grads, device grads)."""
+    cpu = [x.clone().requires_grad_() for x in inputs]
+    dev = [x.to(DEV).requires_grad_() for x in inputs]
+    fn(*cpu).backward()
+    fn(*dev).backward()
+    return [x.grad for x in cpu], [x.grad for x in dev]
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b: (a * b).sum(),
+    lambda a, b: (a @ b.t()).relu().mean(),
+    lambda a, b: torch.tanh(a).pow(2).sum() + torch.sigmoid(b).sum(),
+    lambda a, b: F.softmax(a, -1).mul(b).sum(),
+    lambda a, b: F.log_softmax(a, 0)[1].sum() - b.exp().max(),
+    lambda a, b: (a[1:, ::2] * b.t()[:2, 1:].t()).sum(),
+    lambda a, b: torch.cat([a, b], 0).view(-1).cumsum(0).sum(),
+    lambda a, b: torch.where(a > 0, a, b).norm(),
+    lambda a, b: a.transpose(0, 1).reshape(-1).sort().values[:4].sum() + b.abs().sum(),
+], ids=["mul", "matmul_relu", "tanh_sigmoid", "softmax", "log_softmax_max", "views",
+        "cat_cumsum", "where_norm", "sort"])
+def test_backward_matches_eager(fn):
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    expected, got = grads_of(fn, a, b)
+    assert_same(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_is_lazy_and_one_graph():
+    a = torch.randn(8, 8).to(DEV).requires_grad_()
+    xshard.sync()
+    with counting() as d:
+        loss = (a @ a).sin().sum()
+        loss.backward()
+    assert d["executions"] == 0
+    assert a.grad is not None and a.grad.device == DEV
+    with counting() as d:
+        xshard.sync()
+    assert d["executions"] == 1
+
+
+def test_grad_accumulates_and_zero_grad():
+    w = torch.randn(4).to(DEV).requires_grad_()
+    wc = w.detach().cpu().requires_grad_()
+    for x in (w, wc):
+        (x * 2).sum().backward()
+        (x ** 2).sum().backward()
+    assert_same(w.grad, wc.grad)
+    w.grad = None
+    (w * 3).sum().backward()
+    assert_same(w.grad, torch.full((4,), 3.0))
+    w.grad.zero_()
+    assert_same(w.grad, torch.zeros(4))
+
+
+def test_no_grad_detach_requires_grad():
+    x = torch.randn(3).to(DEV).requires_grad_()
+    assert x.requires_grad and x.is_leaf
+    with torch.no_grad():
+        y = x * 2
+    assert not y.requires_grad
+    d = x.detach()
+    assert not d.requires_grad and d.is_leaf
+    z = (x * 2 + d).sum()
+    z.backward()
+    assert_same(x.grad, torch.full((3,), 2.0))
+    u = torch.ones(3, device=DEV)
+    assert not u.requires_grad
+    u.requires_grad_()
+    assert u.requires_grad
+    (u * u).sum().backward()
+    assert_same(u.grad, torch.full((3,), 2.0))
+    with torch.enable_grad():
+        assert (x + 1).requires_grad
+    with torch.inference_mode():
+        assert not (x + 1).requires_grad
+
+
+def test_autograd_grad_and_retain_graph():
+    x = torch.tensor([1.0, 2.0, 3.0]).to(DEV).requires_grad_()
+    y = (x ** 3).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    assert_same(g, torch.tensor([3.0, 12.0, 27.0]))
+    (g2,) = torch.autograd.grad(g.sum(), x)
+    assert_same(g2, torch.tensor([6.0, 12.0, 18.0]))
+    z = (x * x).sum()
+    z.backward(retain_graph=True)
+    z.backward()
+    assert_same(x.grad, 4 * torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_backward_with_gradient_argument_and_nonscalar():
+    x = torch.randn(2, 3)
+    g = torch.randn(2, 3)
+    xc, xd = x.clone().requires_grad_(), x.to(DEV).requires_grad_()
+    (xc * xc).backward(g)
+    (xd * xd).backward(g.to(DEV))
+    assert_same(xd.grad, xc.grad)
+
+
+def test_retain_grad_and_hooks():
+    x = torch.randn(4).to(DEV).requires_grad_()
+    h = x * 2
+    h.retain_grad()
+    seen = []
+    x.register_hook(lambda g: seen.append(g.device) or g * 10)
+    h.sum().backward()
+    assert_same(h.grad, torch.ones(4))
+    assert_same(x.grad, torch.full((4,), 20.0))
+    assert seen == [DEV]
+
+
+def test_inplace_on_leaf_requiring_grad_raises():
+    x = torch.randn(3).to(DEV).requires_grad_()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        x.add_(1)
+
+
+def test_inplace_in_graph_backward():
+    def fn(x):
+        y = x * 1.0
+        y[0] = 0.0
+        y.mul_(3)
+        y[1:].add_(x[:-1])
+        return (y * y).sum()
+    x = torch.randn(5)
+    expected, got = grads_of(fn, x)
+    assert_same(got, expected)
+
+
+def test_module_backward_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+    dmodel = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+    dmodel.load_state_dict(model.state_dict())
+    dmodel.to(DEV)
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    F.cross_entropy(model(x), y).backward()
+    with counting() as d:
+        F.cross_entropy(dmodel(x.to(DEV)), y.to(DEV)).backward()
+        xshard.sync()
+    assert d["cpu_fallbacks"] == {}
+    for (name, p), q in zip(model.named_parameters(), dmodel.parameters()):
+        assert_same(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_recomputes():
+    from torch.utils.checkpoint import checkpoint
+
+    lin = nn.Linear(4, 4)
+    dlin = nn.Linear(4, 4)
+    dlin.load_state_dict(lin.state_dict())
+    dlin.to(DEV)
+    x = torch.randn(2, 4)
+    checkpoint(lambda t: lin(t).relu(), x.requires_grad_(), use_reentrant=False).sum().backward()
+    xd = x.detach().to(DEV).requires_grad_()
+    checkpoint(lambda t: dlin(t).relu(), xd, use_reentrant=False).sum().backward()
+    assert_same(dlin.weight.grad, lin.weight.grad, rtol=1e-5, atol=1e-6)
+    assert_same(xd.grad, x.grad, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,81 @@
+"""OpInfo conformance: common ops against eager CPU PyTorch (harness: opinfo_harness.py).
+
+The fast subset runs in CI; ``-m slow`` runs every OpInfo (the figures of the full run, with all
+dtypes, are in docs/conformance.md, made by scripts/opinfo_conformance.py).
+"""
+
+import pytest
+import torch
+
+from opinfo_harness import check, full_name, op_by_name, supported, variants
+
+# Common ops: elementwise, reductions, indexing, shape ops and nn ops.
+FAST_OPS = [
+    # elementwise
+    "abs", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "erf",
+    "reciprocal", "floor", "ceil", "round", "trunc", "sign", "clamp", "add", "sub", "mul", "div",
+    "true_divide", "pow", "remainder", "fmod", "maximum", "minimum", "eq", "ne", "lt", "ge",
+    "where", "lerp", "addcmul", "addcdiv", "logical_and", "logical_not", "isnan", "nan_to_num",
+    "atan2", "masked_fill",
+    # reductions
+    "sum", "mean", "prod", "amax", "amin", "argmax", "argmin", ("max", "reduction_with_dim"),
+    ("min", "reduction_with_dim"), "var", "std", "any", "all", "logsumexp", "cumsum", "norm",
+    "softmax", "log_softmax", "sort", "topk",
+    # indexing
+    "index_select", "gather", "scatter", "scatter_add", "index_add", "index_put", "index_fill",
+    "take_along_dim", "__getitem__",
+    # shape ops
+    "cat", "stack", "reshape", "view", "permute", "transpose", "squeeze", "unsqueeze", "flatten",
+    "expand", "repeat", "flip", "roll", "narrow", "split", "chunk", "tril", "triu",
+    "diagonal", "t", "unbind",
+    # nn ops and linear algebra
+    "matmul", "mm", "bmm", "addmm", "nn.functional.linear", "nn.functional.relu",
+    "nn.functional.gelu", "nn.functional.silu", "nn.functional.layer_norm",
+    "nn.functional.conv2d", "nn.functional.embedding", "nn.functional.cross_entropy",
+    "nn.functional.mse_loss", "nn.functional.pad", "nn.functional.avg_pool2d",
+    "nn.functional.max_pool2d", "nn.functional.softplus",
+]
+
+
+def _cases(names, dtypes):
+    """``names``: OpInfo names, or (name, variant_test_name) pairs."""
+    cases = []
+    for name in names:
+        op = op_by_name(*((name,) if isinstance(name, str) else name))
+        for dtype in supported(op, dtypes):
+            for variant, _ in variants(op):
+                cases.append(pytest.param(op, variant, dtype,
+                                          id=f"{full_name(op)}-{variant}-{str(dtype)[6:]}"))
+    return cases
+
+
+def _assert_passes(op, variant, dtype, n_samples):
+    result = check(op, variant, dtype, n_samples=n_samples)
+    if not result.applicable:
+        pytest.skip("no sample is valid for this variant in eager PyTorch")
+    assert result.fully_passes, f"{result.failed} samples failed; first: {result.error}"
+
+
+@pytest.mark.parametrize("op,variant,dtype", _cases(FAST_OPS, (torch.float32, torch.int64)))
+def test_common_op_matches_eager(op, variant, dtype):
+    _assert_passes(op, variant, dtype, n_samples=2)
+
+
+def _all_cases():
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    names = [(op.name, op.variant_test_name) for op in op_db]
+    cases = []
+    for name, v in names:
+        op = op_by_name(name, v)
+        for dtype in supported(op, (torch.float32,)):
+            for variant, _ in variants(op):
+                cases.append(pytest.param(op, variant, dtype,
+                                          id=f"{full_name(op)}-{variant}-float32"))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op,variant,dtype", _all_cases())
+def test_every_opinfo_float32(op, variant, dtype):
+    _assert_passes(op, variant, dtype, n_samples=5)

@@ -1,0 +1,314 @@
+"""In-place ops and writes through views: every write is seen by the base and every other view,
+exactly as in eager PyTorch (which is the oracle: each case runs on CPU and on xshard)."""
+
+import pytest
+import torch
+
+import xshard
+from core_testing import DEV, assert_same, check
+
+
+def base():
+    return torch.arange(24, dtype=torch.float32).reshape(4, 6)
+
+
+# Each case mutates its input through views and returns the views it made; ``check`` compares the
+# returned views and the (mutated) input with eager.
+def slice_write(x):
+    v = x[1:3, 2:5]
+    v.mul_(10)
+    return v, x[1]
+
+
+def slice_with_step(x):
+    v = x[:, ::2]
+    v.fill_(-1)
+    return v
+
+
+def select_write(x):
+    r = x[2]
+    r.add_(100)
+    c = x.select(1, 3)
+    c.zero_()
+    return r, c
+
+
+def narrow_write(x):
+    v = x.narrow(1, 1, 3)
+    v.sub_(5)
+    return v
+
+
+def view_reshape_write(x):
+    v = x.view(2, 12)
+    v[1].fill_(3)
+    r = x.reshape(24)
+    r[0] = 42
+    f = x.flatten()
+    return v, r, f
+
+
+def transpose_write(x):
+    t = x.t()
+    t[0].fill_(7)
+    tt = x.transpose(0, 1)
+    tt[:, 1] += 1
+    return t, tt
+
+
+def permute_write(x):
+    y = x.view(2, 2, 6)
+    p = y.permute(2, 0, 1)
+    p[0, 1, 0] = -9
+    p.mul_(2)
+    return p
+
+
+def diagonal_write(x):
+    d = x.diagonal()
+    d.fill_(0)
+    d2 = x.diagonal(offset=1)
+    d2 += 100
+    return d, d2
+
+
+def unsqueeze_squeeze_write(x):
+    u = x.unsqueeze(0)
+    u[0, 0, 0] = 99
+    s = u.squeeze(0)
+    s[3].zero_()
+    return u, s
+
+
+def chunk_write(x):
+    a, b = x.chunk(2, dim=1)
+    a.fill_(1)
+    b[0] = 2
+    return a, b
+
+
+def unbind_write(x):
+    rows = x.unbind(0)
+    rows[1].mul_(-1)
+    rows[3][2] = 5
+    return rows
+
+
+def split_write(x):
+    parts = x.split([1, 2, 3], dim=1)
+    parts[2].add_(0.5)
+    return parts
+
+
+def nested_views(x):
+    v = x[1:].t()[2:4].narrow(1, 0, 2)
+    v.copy_(torch.full_like(v, 8))
+    w = x.view(4, 3, 2)[:, 1].select(1, 0)
+    w.add_(1000)
+    return v, w
+
+
+def other_views_see_write(x):
+    a = x[0]
+    b = x[:, 0]
+    c = x.view(-1)
+    x[0, 0] = -1
+    b.mul_(3)
+    return a, b, c
+
+
+def setitem_int(x):
+    x[0] = 5
+    x[1, 2] = -3
+    x[-1, -1] = 11
+    x[2][3] = 4
+    return x[0]
+
+
+def setitem_mask(x):
+    x[x > 15] = 0
+    x[x.fmod(3) == 0] += 1
+    return x.clone()
+
+
+def setitem_index_tensor(x):
+    idx = torch.tensor([0, 2], device=x.device)
+    x[idx] = -2
+    x[:, torch.tensor([1, 5], device=x.device)] = torch.tensor([7.0, 8.0], device=x.device)
+    x[torch.tensor([3], device=x.device), torch.tensor([4], device=x.device)] = 99
+    return x[1]
+
+
+def setitem_on_view(x):
+    v = x[1:]
+    v[v > 10] = -5
+    v[:, 0] = torch.tensor([1.0, 2.0, 3.0], device=x.device)
+    return v
+
+
+def index_put_accumulate(x):
+    idx = torch.tensor([0, 0, 2], device=x.device)
+    x.index_put_((idx,), torch.ones(3, 6, device=x.device), accumulate=True)
+    return x[0]
+
+
+def masked_fill_and_friends(x):
+    x.masked_fill_(x < 3, -1.0)
+    x.clamp_(max=20)
+    x[1:3].copy_(torch.ones(2, 6, device=x.device))
+    x.index_fill_(1, torch.tensor([2], device=x.device), 0.5)
+    return x[0]
+
+
+def inplace_ops_on_base(x):
+    x.add_(1).mul_(2)
+    x.sub_(x[0].clone())
+    x.div_(3)
+    x.pow_(2)
+    x.neg_()
+    x.abs_()
+    x.sqrt_()
+    x.addcmul_(x, x, value=0.5)
+    x.lerp_(torch.zeros_like(x), 0.25)
+    return x[0]
+
+
+def write_base_seen_by_view(x):
+    v = x[1:3, 1:3]
+    t = x.t()
+    x.fill_(1)
+    x[2, 2] = 7
+    return v, t
+
+
+def swap_rows(x):
+    tmp = x[0].clone()
+    x[0] = x[3]
+    x[3] = tmp
+    return x[0]
+
+
+def as_strided_write(x):
+    v = x.as_strided((2, 2), (6, 1), 1)
+    v.fill_(-4)
+    return v
+
+
+def expand_read(x):
+    e = x[0:1].expand(3, 6)
+    x[0, 0] = 77
+    return e.clone()
+
+
+def unfold_read(x):
+    u = x.unfold(1, 2, 2)
+    x[0, 1] = -7
+    return u.clone()
+
+
+def out_argument(x):
+    out = torch.empty(4, 6, device=x.device)
+    torch.add(x, 1, out=out)
+    torch.mul(x[0], 2, out=x[1])
+    return out
+
+
+CASES = [slice_write, slice_with_step, select_write, narrow_write, view_reshape_write,
+         transpose_write, permute_write, diagonal_write, unsqueeze_squeeze_write, chunk_write,
+         unbind_write, split_write, nested_views, other_views_see_write, setitem_int, setitem_mask,
+         setitem_index_tensor, setitem_on_view, index_put_accumulate, masked_fill_and_friends,
+         inplace_ops_on_base, write_base_seen_by_view, swap_rows, as_strided_write, expand_read,
+         unfold_read, out_argument]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
+def test_mutation_through_views(case):
+    check(case, base())
+
+
+@pytest.mark.parametrize("case", [slice_write, transpose_write, diagonal_write, unbind_write],
+                         ids=lambda f: f.__name__)
+def test_views_across_sync(case):
+    """Views made before a sync still alias their base after it."""
+    cpu = base()
+    expected = case(cpu)
+    d = base().to(DEV)
+    views = d.t()[1:], d[2]
+    xshard.sync()
+    got = case(d)
+    xshard.sync()
+    assert_same(got, expected)
+    assert_same(d, cpu)
+    assert_same(views[0], cpu.t()[1:])
+    assert_same(views[1], cpu[2])
+
+
+def test_view_of_view_written_after_sync():
+    x = base().to(DEV)
+    v = x[1:3]
+    w = v.t()
+    xshard.sync()
+    w[0] = -1
+    xshard.sync()
+    v.mul_(2)
+    ref = base()
+    ref[1:3].t()[0] = -1
+    ref[1:3].mul_(2)
+    assert_same(x, ref)
+    assert_same(w, ref[1:3].t())
+
+
+def test_detach_aliases_its_source():
+    x = torch.randn(3, 3).to(DEV).requires_grad_()
+    d = x.detach()
+    d[0, 0] = 5.0
+    assert x[0, 0].item() == 5.0
+    with torch.no_grad():
+        x.mul_(2)
+    assert d[0, 0].item() == 10.0
+    assert not d.requires_grad
+
+
+def test_views_report_aliasing_metadata():
+    x = base().to(DEV)
+    v = x[1:, 2:]
+    assert v.shape == (3, 4) and v.stride() == (6, 1) and v.storage_offset() == 8
+    assert x.t().stride() == (1, 6) and not x.t().is_contiguous()
+    assert v._base is x
+    assert x.view(6, 4)._base is x
+
+
+def test_contiguous_and_clone_do_not_alias():
+    x = base().to(DEV)
+    c = x.t().contiguous()
+    k = x.clone()
+    x.fill_(0)
+    assert_same(c, base().t().contiguous())
+    assert_same(k, base())
+
+
+def test_inplace_dtype_rules():
+    i = torch.arange(4, dtype=torch.int32).to(DEV)
+    i.add_(2)
+    i.mul_(3)
+    assert_same(i, (torch.arange(4, dtype=torch.int32) + 2) * 3)
+    with pytest.raises(RuntimeError, match="can't be cast|Promotion of int"):
+        i.add_(0.5)
+    f = torch.zeros(3, dtype=torch.float16).to(DEV)
+    f.add_(torch.ones(3, dtype=torch.float64).to(DEV))
+    assert_same(f, torch.ones(3, dtype=torch.float16))
+    b = torch.zeros(3, 4).to(DEV)
+    b.add_(torch.arange(4.0).to(DEV))  # broadcasts into self
+    assert_same(b, torch.zeros(3, 4) + torch.arange(4.0))
+
+
+def test_copy_between_dtypes_and_from_cpu():
+    x = torch.zeros(2, 3, dtype=torch.int64).to(DEV)
+    x.copy_(torch.tensor([[1.7, -2.2, 3.9]]))  # from CPU, broadcast, float -> int truncation
+    assert_same(x, torch.tensor([[1, -2, 3], [1, -2, 3]]))
+    x[0].copy_(torch.tensor([9, 8, 7], dtype=torch.uint8).to(DEV))
+    assert_same(x, torch.tensor([[9, 8, 7], [1, -2, 3]]))
+    cpu = torch.empty(2, 3, dtype=torch.int64)
+    cpu.copy_(x)
+    assert torch.equal(cpu, x.cpu())

@@ -1,0 +1,1 @@
+"""Experiments run as commands: ``python -m xshard.experiments.memory`` (memory scaling studies)."""

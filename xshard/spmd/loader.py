@@ -1,0 +1,361 @@
+"""Input sharding for data loaders: batches arrive on the devices already split into shards.
+
+``MpDeviceLoader`` wraps any iterable of batches (a tensor, a tuple/list, or a dict of tensors; other
+leaves pass through unchanged). A background thread copies batch i+1 from the host straight into its
+shards (``jax.device_put`` per shard, no replicated copy) while step i runs; the consumer thread only
+wraps the arrived data as xshard tensors.
+
+[Note: why the background thread makes no tensors]
+Creating an xshard tensor registers its storage cell in ``LIVE_CELLS``, which ``sync()`` walks. The
+thread therefore produces only IR data nodes (plain values over ``jax.Array``s); the tensors are made
+in the consumer's thread, when a batch is handed out.
+
+Example:
+    >>> mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
+    >>> loader = xs.MpDeviceLoader(train_loader, xshard.device(),
+    ...                            input_sharding=xs.ShardingSpec(mesh, ("data", None)))
+    >>> for x, y in loader:          # doctest: +SKIP
+    ...     xs.get_sharding_spec(x)  # '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from xshard.core import graph, ir, runtime
+from xshard.core import tensor as xt
+from xshard.core.backend import DEVICE_TYPE
+from xshard.core.dtypes import torch_to_numpy
+from xshard.core.tensor import XTensor
+from xshard.mesh import Mesh
+from xshard.spmd import sharding as sh
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingSpec:
+    """How the tensors of a batch are split over a mesh, for ``MpDeviceLoader``.
+
+    Args:
+        mesh: the device mesh.
+        partition_spec: one entry per tensor dimension, as in ``mark_sharding``.
+        minibatch: each process loads only its own slice of the global batch (dimension 0);
+            the global batch is the concatenation of every process's batch. With one process the
+            batch is the global batch. The per-process batch size must then divide by the number
+            of shards of dimension 0 on this process's devices.
+
+    Example:
+        >>> spec = xs.ShardingSpec(mesh, ("data", None))
+        >>> spec.can_apply(torch.zeros(8, 4))
+        True
+    """
+
+    mesh: Mesh
+    partition_spec: tuple
+    minibatch: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(
+                f"ShardingSpec needs an xshard.spmd.Mesh, got {type(self.mesh).__name__}; build one "
+                f"with xs.Mesh(device_ids, mesh_shape, axis_names).")
+        if not isinstance(self.partition_spec, (tuple, list)):
+            raise TypeError(
+                f"partition_spec must be a tuple with one entry per tensor dimension, got "
+                f"{self.partition_spec!r}.")
+        object.__setattr__(self, "partition_spec", tuple(self.partition_spec))
+        # Validate now (unknown axes, an axis used twice...), not at the first batch.
+        self.annotation(len(self.partition_spec))
+
+    def can_apply(self, t: torch.Tensor) -> bool:
+        """Whether this spec fits ``t`` (its rank equals the spec's length)."""
+        return isinstance(t, torch.Tensor) and t.dim() == len(self.partition_spec)
+
+    def annotation(self, ndim: int) -> sh.Annotation:
+        return sh.annotation(self.mesh, self.partition_spec, ndim)
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the devices, sharded by this spec.
+
+        A device tensor is annotated in place (``mark_sharding``) and returned; a CPU tensor is
+        copied straight into its shards and the new device tensor returned.
+        """
+        if isinstance(t, XTensor):
+            from xshard.spmd.api import mark_sharding
+
+            mark_sharding(t, self.mesh, self.partition_spec)
+            return t
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ShardingSpec.apply needs a tensor, got {type(t).__name__}.")
+        return _as_tensor(_upload(t, self))
+
+
+# -- host -> device transfer -------------------------------------------------------------------
+
+
+class _Pending:
+    """A transferred tensor, not yet wrapped (see [Note: why the background thread makes no
+    tensors])."""
+
+    __slots__ = ("node", "annotation")
+
+    def __init__(self, node: ir.Node, annotation):
+        self.node = node
+        self.annotation = annotation
+
+
+def _upload(t: torch.Tensor, spec: ShardingSpec | None) -> _Pending:
+    from xshard.spmd.api import upload_sharded
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if spec is None:
+        return _Pending(graph.upload_node(t), None)
+    annotation = spec.annotation(t.dim())
+    if spec.minibatch:
+        return _Pending(_upload_minibatch(t, spec, annotation), annotation)
+    return _Pending(upload_sharded(t, annotation), annotation)
+
+
+def _local_tiles_dim0(annotation: sh.Annotation) -> int:
+    """How many distinct blocks of dimension 0 this process's devices hold."""
+    local = {d.id for d in runtime.local_devices()}
+    assignment = annotation.plan.tile_assignment  # (*tile_shape, replicate_factor) of device ids
+    return len({pos[0] for pos in np.ndindex(*assignment.shape) if int(assignment[pos]) in local})
+
+
+def _upload_minibatch(t: torch.Tensor, spec: ShardingSpec, annotation: sh.Annotation) -> ir.Node:
+    if t.dim() == 0:
+        raise ValueError("A minibatch ShardingSpec needs tensors with a batch dimension (dim 0).")
+    local_tiles = _local_tiles_dim0(annotation)
+    per_host = t.shape[0]
+    if per_host % local_tiles:
+        raise RuntimeError(
+            f"When minibatch is configured, the per-host batch size must be divisible by the local "
+            f"runtime device count of the sharded batch dimension: got a per-host batch of "
+            f"{per_host} for {local_tiles} local shards of dimension 0 (partition spec "
+            f"{spec.partition_spec!r} on mesh axes {spec.mesh.axis_names!r}). Use a batch size "
+            f"that is a multiple of {local_tiles}, e.g. drop_last=True in the DataLoader.")
+    from xshard.spmd.api import upload_sharded
+
+    if runtime.process_count() == 1:
+        return upload_sharded(t, annotation)
+    jax = runtime.jax_module()
+    tiles = annotation.plan.tile_shape[0]
+    global_shape = (per_host * tiles // local_tiles,) + tuple(t.shape[1:])
+    padded = annotation.padded_shape(global_shape)
+    if padded != global_shape:
+        raise RuntimeError(
+            f"A minibatch of global shape {global_shape} does not split evenly over the "
+            f"sharding {annotation.hlo_sharding}; pad the trailing dimensions to multiples of "
+            f"their shard counts.")
+    array = jax.make_array_from_process_local_data(annotation.jax_sharding, torch_to_numpy(t),
+                                                   global_shape)
+    return ir.data_node(array, global_shape, t.dtype, array.sharding)
+
+
+def _as_tensor(pending: _Pending) -> XTensor:
+    out = xt.new_base(pending.node)
+    out._cell.sharding = pending.annotation
+    return out
+
+
+def _transfer(batch, input_sharding):
+    """Uploads every tensor of ``batch``; the structure with ``_Pending`` in place of tensors."""
+    if isinstance(input_sharding, Mapping):
+        if not isinstance(batch, Mapping):
+            raise ValueError(
+                f"input_sharding is a dict of ShardingSpecs (keys {sorted(map(str, input_sharding))}), "
+                f"so each batch must be a dict with those keys, but the loader produced a "
+                f"{type(batch).__name__}. Pass a single ShardingSpec for non-dict batches.")
+        out = {}
+        for key, value in batch.items():
+            if key not in input_sharding:
+                raise KeyError(
+                    f"The batch has key {key!r}, which input_sharding does not list; available "
+                    f"keys: {sorted(map(str, input_sharding))}. Add an entry for it (None to "
+                    f"replicate it).")
+            out[key] = _transfer(value, input_sharding[key])
+        return type(batch)(out) if type(batch) is not dict else out
+    if isinstance(batch, torch.Tensor):
+        spec = input_sharding if input_sharding is not None and input_sharding.can_apply(
+            batch) else None
+        return _upload(batch, spec)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_transfer(v, input_sharding) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_transfer(v, input_sharding) for v in batch)
+    if isinstance(batch, Mapping):
+        return {k: _transfer(v, input_sharding) for k, v in batch.items()}
+    return batch
+
+
+def _materialize(batch):
+    """Wraps the transferred data of a batch as xshard tensors (in the consumer's thread)."""
+    if isinstance(batch, _Pending):
+        return _as_tensor(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_materialize(v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_materialize(v) for v in batch)
+    if isinstance(batch, dict):
+        return {k: _materialize(v) for k, v in batch.items()}
+    return batch
+
+
+def send_cpu_data_to_device(batch, device=None, input_sharding=None):
+    """Copies a batch (tensor, tuple/list or dict of tensors) to the device, sharded.
+
+    Args:
+        batch: CPU tensors, possibly in tuples, lists and dicts.
+        device: the xshard device (default ``xshard.device()``).
+        input_sharding: a ``ShardingSpec`` for every tensor of matching rank (others are
+            replicated), or a dict of them keyed like the batch.
+
+    Returns:
+        The same structure with xshard tensors.
+    """
+    _check_device(device)
+    _check_sharding(input_sharding)
+    return _materialize(_transfer(batch, input_sharding))
+
+
+def _check_device(device) -> None:
+    if device is None:
+        return
+    if torch.device(device).type != DEVICE_TYPE:
+        raise ValueError(
+            f"MpDeviceLoader moves batches to the xshard device, got device {device!r}; pass "
+            f"xshard.device().")
+
+
+def _check_sharding(input_sharding) -> None:
+    if input_sharding is None or isinstance(input_sharding, ShardingSpec):
+        return
+    if isinstance(input_sharding, Mapping):
+        for key, value in input_sharding.items():
+            if value is not None and not isinstance(value, ShardingSpec):
+                raise TypeError(
+                    f"input_sharding[{key!r}] is a {type(value).__name__}; each value must be a "
+                    f"ShardingSpec or None.")
+        return
+    raise TypeError(
+        f"input_sharding must be a ShardingSpec, a dict of them, or None; got "
+        f"{type(input_sharding).__name__}.")
+
+
+# -- the loader ----------------------------------------------------------------------------------
+
+
+_DONE = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class _PrefetchIterator:
+    """Iterates a loader with a thread that keeps ``prefetch`` transferred batches ready."""
+
+    def __init__(self, loader, input_sharding, prefetch: int):
+        self._input_sharding = input_sharding
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(iter(loader),),
+                                        name="xshard-MpDeviceLoader", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, source) -> None:
+        try:
+            for batch in source:
+                if not self._put(_transfer(batch, self._input_sharding)):
+                    return
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put(_Failure(e))
+            return
+        self._put(_DONE)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._stop.is_set():
+            raise StopIteration
+        item = self._queue.get()
+        if item is _DONE:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.error
+        return _materialize(item)
+
+    def close(self) -> None:
+        """Stops the background thread (it finishes the transfer in progress)."""
+        self._stop.set()
+
+    def __del__(self):
+        self._stop.set()
+
+
+class MpDeviceLoader:
+    """Wraps a loader so that its batches arrive on the xshard device, sharded and prefetched.
+
+    Args:
+        loader: any iterable of batches: tensors, tuples/lists or dicts of them (e.g. a
+            ``torch.utils.data.DataLoader``). Non-tensor leaves pass through unchanged.
+        device: ``xshard.device()``.
+        input_sharding: a ``ShardingSpec`` applied to every tensor whose rank matches it (others
+            are replicated), or a dict of ``ShardingSpec`` (or None, to replicate) keyed like the
+            batches, which must then be dicts.
+        prefetch: how many batches a background thread transfers ahead of the one in use; 0
+            transfers each batch when it is asked for.
+
+    Raises (while iterating):
+        ValueError: ``input_sharding`` is a dict but a batch is not.
+        KeyError: a batch has a key that ``input_sharding`` does not list.
+        RuntimeError: a ``minibatch`` spec and a per-process batch size that does not divide.
+
+    Example:
+        >>> loader = xs.MpDeviceLoader(train_loader, xshard.device(),
+        ...                            input_sharding=xs.ShardingSpec(mesh, ("data", None)))
+        >>> for x, y in loader:  # doctest: +SKIP
+        ...     loss = loss_fn(model(x), y); loss.backward(); opt.step(); xshard.sync()
+    """
+
+    def __init__(self, loader, device=None, input_sharding=None, prefetch: int = 1):
+        _check_device(device)
+        _check_sharding(input_sharding)
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}.")
+        self._loader = loader
+        self.device = torch.device(device) if device is not None else xt.DEVICE
+        self.input_sharding = input_sharding
+        self.prefetch = prefetch
+
+    def __iter__(self):
+        if self.prefetch == 0:
+            return (_materialize(_transfer(batch, self.input_sharding)) for batch in self._loader)
+        return _PrefetchIterator(self._loader, self.input_sharding, self.prefetch)
+
+    def __len__(self):
+        return len(self._loader)
+
+
+__all__ = ["ShardingSpec", "MpDeviceLoader", "send_cpu_data_to_device"]
