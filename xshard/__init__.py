@@ -13,6 +13,7 @@ from xshard.core import runtime
 from xshard.core.runtime import (device_count, devices, initialize, process_count,  # noqa: F401
                                  process_index)
 from xshard.core import device as _device
+from xshard.core import attention as _attention  # noqa: F401  (fused SDPA for the device)
 from xshard.core import debug, metrics  # noqa: F401
 from xshard.core.barrier import optimization_barrier, optimization_barrier_  # noqa: F401
 from xshard.core.graph import compile_only  # noqa: F401

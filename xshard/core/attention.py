@@ -1,0 +1,137 @@
+"""scaled_dot_product_attention as one fused op with its own backward.
+
+Left alone, ``F.scaled_dot_product_attention`` on a new backend runs PyTorch's math decomposition:
+dozens of recorded ops per call (mask construction, safe softmax, transposes and copies) and as many
+again in backward. PyTorch lets a PrivateUse1 backend pick the "overrideable" fused kernel through
+``_fused_sdp_choice``'s C++ stub, which a Python backend cannot register; xshard instead implements
+``scaled_dot_product_attention`` at its autograd key with the "overrideable" fused forward and
+backward ops, lowered to a few einsums, so XLA sees attention the way a hand-written JAX model
+expresses it.
+
+Dropout inside attention, grouped-query attention and nested tensors keep the math path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.lowering import RULES, _mm_precision
+
+aten = torch.ops.aten
+jax = runtime.jax_module()
+jnp = jax.numpy
+
+_MATH = int(torch.nn.attention.SDPBackend.MATH)
+_FUSED = int(torch.nn.attention.SDPBackend.OVERRIDEABLE)
+
+
+def _fusable(q, k, v, attn_mask, dropout_p, enable_gqa) -> bool:
+    return not (dropout_p > 0 or enable_gqa or q.dim() < 2 or k.dim() != q.dim()
+                or v.dim() != q.dim() or q.shape[-1] != k.shape[-1]
+                or q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]
+                or not q.dtype.is_floating_point or q.dtype != k.dtype or q.dtype != v.dtype
+                or (attn_mask is not None and attn_mask.dtype != torch.bool
+                    and attn_mask.dtype != q.dtype))
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale):
+        outs = aten._scaled_dot_product_fused_attention_overrideable(
+            q, k, v, attn_mask, 0.0, is_causal, False, scale=scale)
+        out, lse = outs[0], outs[1]
+        ctx.save_for_backward(q, k, v, attn_mask, out, lse)
+        ctx.meta = (outs[2], outs[3], outs[4], outs[5], outs[6], outs[7], is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, attn_mask, out, lse = ctx.saved_tensors
+        cum_q, cum_k, max_q, max_k, seed, offset, is_causal, scale = ctx.meta
+        mask_grad = attn_mask is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = aten._scaled_dot_product_fused_attention_overrideable_backward(
+            grad, q, k, v, attn_mask, [True, True, True, mask_grad], out, lse, cum_q, cum_k,
+            max_q, max_k, 0.0, is_causal, seed, offset, scale=scale)
+        return dq, dk, dv, (dbias if mask_grad else None), None, None
+
+
+def _sdpa_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False):
+    if not _fusable(query, key, value, attn_mask, dropout_p, enable_gqa):
+        return aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+            enable_gqa=enable_gqa)[0]
+    return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale)
+
+
+# PyTorch chooses the fused kernel for a PrivateUse1 device only through a C++ dispatch stub, so
+# xshard takes over scaled_dot_product_attention at its autograd key instead.
+_LIB = torch.library.Library("aten", "IMPL")
+_LIB.impl("scaled_dot_product_attention", _sdpa_kernel, "AutogradPrivateUse1")
+
+
+def _scores(q, k, attn_bias, is_causal, scale):
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    s = jnp.einsum("...qd,...kd->...qk", q, k, precision=_mm_precision()) * jnp.asarray(
+        scale, q.dtype)
+    lq, lk = q.shape[-2], k.shape[-2]
+    if is_causal:
+        keep = np.tril(np.ones((lq, lk), dtype=bool))
+        s = jnp.where(keep, s, -jnp.inf)
+    if attn_bias is not None:
+        if attn_bias.dtype == np.bool_:
+            s = jnp.where(attn_bias, s, -jnp.inf)
+        else:
+            s = s + attn_bias.astype(s.dtype)
+    return s, scale
+
+
+def _probs(s, lse):
+    # Rows with every key masked give zeros, as PyTorch's safe softmax does.
+    return jnp.where(jnp.isneginf(lse)[..., None], 0.0, jnp.exp(s - lse[..., None]))
+
+
+def _forward(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+             scale=None, _key=None):
+    s, _ = _scores(q, k, attn_bias, is_causal, scale)
+    sf = s.astype(np.float32) if s.dtype != np.float64 else s
+    lse = jax.nn.logsumexp(sf, axis=-1)
+    p = _probs(sf, lse).astype(q.dtype)
+    out = jnp.einsum("...qk,...kd->...qd", p, v, precision=_mm_precision())
+    zero = jnp.zeros((), np.int64)
+    return (out, lse, None, None, q.shape[-2], k.shape[-2], zero, zero, None)
+
+
+def _backward(grad, q, k, v, attn_bias, grad_input_mask, out, lse, cum_q, cum_k, max_q, max_k,
+              dropout_p, is_causal, seed, offset, scale=None):
+    s, scale = _scores(q, k, attn_bias, is_causal, scale)
+    sf = s.astype(lse.dtype)
+    p = _probs(sf, lse)
+    g = grad.astype(p.dtype)
+    prec = _mm_precision()
+    dv = jnp.einsum("...qk,...qd->...kd", p, g, precision=prec)
+    dp = jnp.einsum("...qd,...kd->...qk", g, v.astype(p.dtype), precision=prec)
+    delta = jnp.sum(g * out.astype(p.dtype), axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dq = jnp.einsum("...qk,...kd->...qd", ds, k.astype(p.dtype), precision=prec) * scale
+    dk = jnp.einsum("...qk,...qd->...kd", ds, q.astype(p.dtype), precision=prec) * scale
+    dbias = None
+    if attn_bias is not None and attn_bias.dtype != np.bool_:
+        dbias = ds
+        while dbias.ndim > attn_bias.ndim:
+            dbias = dbias.sum(0)
+        for axis, n in enumerate(attn_bias.shape):
+            if n == 1 and dbias.shape[axis] != 1:
+                dbias = dbias.sum(axis, keepdims=True)
+    if dbias is None:  # not asked for: zeros of the shape PyTorch's meta kernel announces
+        dbias = jnp.zeros(q.shape if attn_bias is None else attn_bias.shape, q.dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias)
+
+
+RULES[aten._scaled_dot_product_fused_attention_overrideable.default] = _forward
+RULES[aten._scaled_dot_product_fused_attention_overrideable_backward.default] = _backward
