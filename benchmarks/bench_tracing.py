@@ -171,7 +171,8 @@ def main(args):
     nodes, inputs = op_nodes(g), len(g.inputs)
     xshard.sync(wait=True)
 
-    trace_s, trace_cpu_s, sync_cpu_s, sync_s, build_s, lookup_s, execute_s, rest_s = [], [], [], [], [], [], [], []
+    trace_s, trace_cpu_s, sync_s, sync_cpu_s = [], [], [], []
+    build_s, lookup_s, execute_s, rest_s = [], [], [], []
     before = xshard.metrics.snapshot()
     for _ in range(args.steps):
         cpu_start = time.thread_time()

@@ -1,10 +1,10 @@
-"""Data x model (2-D) sharding of a GPT with Megatron-style specs, checked against eager CPU PyTorch.
+"""Data x model (2-D) sharding of a GPT with Megatron-style specs, checked against eager CPU.
 
 The 8 devices form a (4, 2) mesh ('data', 'model'). The batch is split over 'data'; inside each
 block the attention qkv and MLP fc weights are split by output features over 'model'
 (column-parallel) and the projections after them by input features (row-parallel), so each block
-needs one all-reduce over 'model' per sub-layer; XLA's partitioner inserts it. The embedding (tied to
-the LM head) is split over the vocabulary.
+needs one all-reduce over 'model' per sub-layer; XLA's partitioner inserts it. The embedding (tied
+to the LM head) is split over the vocabulary.
 
 Run:  XSHARD_CPU_DEVICES=8 python examples/spmd_2d.py
 """

@@ -13,13 +13,13 @@ from opinfo_harness import check, full_name, op_by_name, supported, variants
 FAST_OPS = [
     # elementwise
     "abs", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "erf",
-    "reciprocal", "floor", "ceil", "round", "trunc", "sign", "clamp", "add", "sub", "mul", "div",
-    "true_divide", "pow", "remainder", "fmod", "maximum", "minimum", "eq", "ne", "lt", "ge",
+    "reciprocal", "floor", "ceil", "round", "trunc", "sign", "clamp", "add", "sub", "mul", "div.no_rounding_mode",
+    "div.floor_rounding", "true_divide", "pow", "remainder", "fmod", "maximum", "minimum", "eq", "ne", "lt", "ge",
     "where", "lerp", "addcmul", "addcdiv", "logical_and", "logical_not", "isnan", "nan_to_num",
     "atan2", "masked_fill",
     # reductions
-    "sum", "mean", "prod", "amax", "amin", "argmax", "argmin", ("max", "reduction_with_dim"),
-    ("min", "reduction_with_dim"), "var", "std", "any", "all", "logsumexp", "cumsum", "norm",
+    "sum", "mean", "prod", "amax", "amin", "argmax", "argmin", "max.reduction_with_dim",
+    "min.reduction_with_dim", "var", "std", "any", "all", "logsumexp", "cumsum", "norm",
     "softmax", "log_softmax", "sort", "topk",
     # indexing
     "index_select", "gather", "scatter", "scatter_add", "index_add", "index_put", "index_fill",
@@ -32,16 +32,16 @@ FAST_OPS = [
     "matmul", "mm", "bmm", "addmm", "nn.functional.linear", "nn.functional.relu",
     "nn.functional.gelu", "nn.functional.silu", "nn.functional.layer_norm",
     "nn.functional.conv2d", "nn.functional.embedding", "nn.functional.cross_entropy",
-    "nn.functional.mse_loss", "nn.functional.pad", "nn.functional.avg_pool2d",
+    "nn.functional.mse_loss", "nn.functional.pad.constant", "nn.functional.avg_pool2d",
     "nn.functional.max_pool2d", "nn.functional.softplus",
 ]
 
 
 def _cases(names, dtypes):
-    """``names``: OpInfo names, or (name, variant_test_name) pairs."""
+    """``names``: full OpInfo names (``name.variant_test_name``)."""
     cases = []
     for name in names:
-        op = op_by_name(*((name,) if isinstance(name, str) else name))
+        op = op_by_name(name)
         for dtype in supported(op, dtypes):
             for variant, _ in variants(op):
                 cases.append(pytest.param(op, variant, dtype,
@@ -64,10 +64,8 @@ def test_common_op_matches_eager(op, variant, dtype):
 def _all_cases():
     from torch.testing._internal.common_methods_invocations import op_db
 
-    names = [(op.name, op.variant_test_name) for op in op_db]
     cases = []
-    for name, v in names:
-        op = op_by_name(name, v)
+    for op in op_db:
         for dtype in supported(op, (torch.float32,)):
             for variant, _ in variants(op):
                 cases.append(pytest.param(op, variant, dtype,

@@ -15,7 +15,8 @@ import xshard.spmd as xs
 from xshard.spmd.api import ShardingAnnotationError
 
 DEV = xshard.device()
-COLLECTIVES = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\b")
+COLLECTIVES = re.compile(
+    r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\b")
 
 
 def mesh_2d():
@@ -329,7 +330,8 @@ def test_hlo_shows_sharding_attributes():
     assert re.search(r'custom_call_target="Sharding", sharding=\{devices=\[4,2\]', hlo)
     stablehlo = xshard.debug.stablehlo_text([b])  # Shardy attributes
     assert 'sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>' in stablehlo
-    assert re.search(r'sdy.sharding_constraint %\d+ <@mesh, \[\{"data"\}, \{"model"\}\]>', stablehlo)
+    assert re.search(r'sdy.sharding_constraint %\d+ <@mesh, \[\{"data"\}, \{"model"\}\]>',
+                     stablehlo)
 
 
 def test_compiled_hlo_shows_collectives():

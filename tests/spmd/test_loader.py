@@ -158,3 +158,20 @@ def test_send_cpu_data_to_device(mesh):
     assert xs.get_sharding_spec(out[1]["k"]) == \
         "{devices=[1,2,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}"
     torch.testing.assert_close(out[0].cpu(), x)
+
+
+def test_abandoned_iterator_stops_its_thread(mesh):
+    import gc
+
+    def endless():
+        while True:
+            yield torch.zeros(8, 4)
+
+    spec = xs.ShardingSpec(mesh, ("data", None))
+    it = iter(xs.MpDeviceLoader(endless(), DEV, input_sharding=spec))
+    next(it)
+    thread = it._thread
+    del it
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()

@@ -56,6 +56,14 @@ class _DeviceModule:
         _rng().manual_seed(seed)
 
     @staticmethod
+    def get_rng_state(device=None) -> torch.Tensor:
+        return _rng().get_state()
+
+    @staticmethod
+    def set_rng_state(state, device=None) -> None:
+        _rng().set_state(state)
+
+    @staticmethod
     def initial_seed() -> int:
         return _rng().initial_seed()
 

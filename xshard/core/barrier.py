@@ -36,7 +36,7 @@ RULES[BARRIER] = _barrier_rule
 def _barrier_compiler_options() -> dict:
     if runtime.platform() != "cpu":
         return {}
-    return {"xla_cpu_enable_concurrency_optimized_scheduler": False,
+    return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
             "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 
 

@@ -328,7 +328,8 @@ def _mutating(func, info, args, kwargs):
         if _first_argument(functional) != "self":  # polygamma_(self, n) vs polygamma(n, self)
             result = functional(**_bind(func, args, kwargs))
         else:
-            result = functional(*args, **kwargs)
+            # Defaults made explicit pick the matching overload: bernoulli_(p=0.5) -> bernoulli.p.
+            result = functional(*_with_defaults(func, args), **kwargs)
         target = args[0]
         if isinstance(target, (list, tuple)):
             for dst, src in zip(target, result):
@@ -350,6 +351,14 @@ def _first_argument(op) -> str:
         op = getattr(op, op.overloads()[0])
     schema = op._schema
     return schema.arguments[0].name if schema.arguments else ""
+
+
+def _with_defaults(func, args) -> tuple:
+    """``args`` followed by the schema defaults of the positional arguments it leaves out."""
+    rest = [a for a in func._schema.arguments if not a.kwarg_only][len(args):]
+    if not rest or not all(a.has_default_value() for a in rest):
+        return tuple(args)
+    return tuple(args) + tuple(a.default_value for a in rest)
 
 
 def _bind(func, args, kwargs) -> dict:
@@ -451,6 +460,13 @@ def _alias(func, args, kwargs):
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if isinstance(dst, XTensor):
+        annotation = dst._cell.sharding
+        if annotation is not None and not isinstance(src, XTensor) and not dst._chain and \
+                tuple(src.shape) == tuple(dst.shape) and src.dtype == dst.dtype:
+            # Host data into an annotated tensor (loading a checkpoint into sharded parameters):
+            # straight into its shards, never a replicated copy on every device.
+            dst._assign(_upload_annotated(src, annotation))
+            return dst
         value = src._value() if isinstance(src, XTensor) else _upload_any(src)
         if tuple(value.shape) != tuple(dst.shape):
             torch.broadcast_shapes(value.shape, dst.shape)  # raises PyTorch's own error
@@ -473,6 +489,20 @@ def copy_from(src, dst, non_blocking=False):
     device tensor.
     """
     return _copy_(aten.copy_.default, (dst, src), {})
+
+
+def _upload_annotated(t: torch.Tensor, annotation) -> ir.Node:
+    """CPU tensor ``t`` uploaded as ``annotation`` lays it out (padded where a dim doesn't divide)."""
+    from xshard.core import graph
+
+    logical = tuple(t.shape)
+    padded = tuple(annotation.padded_shape(logical))
+    if padded != logical:
+        full = t.new_zeros(padded)
+        full[tuple(slice(0, n) for n in logical)] = t
+        t = full
+    node = graph.upload_node(t.contiguous(), annotation.jax_sharding)
+    return ir.data_node(node.payload, logical, node.dtype, node.sharding)
 
 
 def _upload_any(t: torch.Tensor) -> ir.Node:

@@ -335,7 +335,15 @@ _CACHE: dict = {}
 
 def _lower(graph: Graph):
     program = Program(graph)
-    jitted = jax.jit(program, donate_argnums=graph.donate)
+    placement = {}
+    if all(node.op is ir.SCALAR for node in graph.inputs):
+        # No device data in: jit would put the results (torch.ones(..., device=d) and the like)
+        # on one device, and the next step, reading them, would see another input layout.
+        # Unannotated data is replicated over all devices (see default_sharding).
+        placement["out_shardings"] = tuple(
+            graph.order[o].template[0][2] if graph.order[o].op == SHARD_OUTPUT
+            else default_sharding() for o in graph.outputs)
+    jitted = jax.jit(program, donate_argnums=graph.donate, **placement)
     with warnings.catch_warnings():
         # Donation is offered for every buffer no live tensor holds; XLA reuses those it can.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -359,7 +367,16 @@ def compile_graph(graph: Graph, lowered=None):
     """Compiles ``graph`` (lowered already, or lowered here) with the options its ops need."""
     if lowered is None:
         lowered = _lower(graph)
-    return lowered.compile(compiler_options(graph) or None)
+    options = compiler_options(graph)
+    if options:
+        try:
+            return lowered.compile(options)
+        except jax.errors.JaxRuntimeError as e:
+            if "option" not in str(e):
+                raise
+            # An XLA that does not know one of these options: compile as it would by default.
+            warnings.warn(f"xshard: compiling without {sorted(options)}: {e}", stacklevel=2)
+    return lowered.compile()
 
 
 def executable(graph: Graph) -> Executable:

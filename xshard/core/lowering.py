@@ -717,15 +717,16 @@ def _exponential(x, lambd=1.0, _key=None, **kwargs):
 def _native_dropout(x, p, train=True, _key=None):
     if train is False:
         return x, jnp.ones(x.shape, np.bool_)
-    if p >= 1:
-        return jnp.zeros_like(x), jnp.zeros(x.shape, np.bool_)
+    # ``p`` is a graph input (a traced scalar): p >= 1 keeps nothing, as u >= p never holds.
     keep = jax.random.uniform(_key_of(_key), x.shape, np.float32) >= p
-    scale = jnp.asarray(1.0 / (1.0 - p), x.dtype)
+    scale = jnp.where(p < 1, 1.0 / jnp.maximum(1.0 - p, 1e-30), 0.0).astype(x.dtype)
     return jnp.where(keep, x * scale, jnp.zeros((), x.dtype)), keep
 
 
 @rule(aten.native_dropout_backward)
 def _native_dropout_backward(grad, mask, scale):
+    if grad.dtype == np.bool_:  # computed in float, then cast back (as ATen does)
+        grad = grad.astype(np.float32)
     return jnp.where(mask, grad * jnp.asarray(scale, grad.dtype), jnp.zeros((), grad.dtype))
 
 
@@ -1721,7 +1722,8 @@ def _avg_pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_inclu
     window = (1,) * lead + kernel
     strides = (1,) * lead + stride
     full_pads = [(0, 0)] * lead + pads
-    total = lax.reduce_window(x, jnp.zeros((), x.dtype), lax.add, window, strides, full_pads)
+    # A concrete (numpy) zero: lax.reduce_window then recognises a sum, which JAX can differentiate.
+    total = lax.reduce_window(x, np.zeros((), x.dtype), lax.add, window, strides, full_pads)
     if divisor_override:
         return total / divisor_override
     if count_include_pad:

@@ -22,7 +22,8 @@ def _key_data(seed: int):
     jax = runtime.jax_module()
     from xshard.core import graph
 
-    key = jax.random.key_data(jax.random.PRNGKey(seed & 0xFFFFFFFFFFFFFFFF))
+    # PRNGKey takes an int64; torch seeds are any uint64 (torch.initial_seed() often is >= 2**63).
+    key = jax.random.key_data(jax.random.PRNGKey(seed & 0x7FFFFFFFFFFFFFFF))
     return jax.device_put(key, graph.default_sharding())
 
 
@@ -47,6 +48,39 @@ def next_key() -> ir.Node:
     key = cell.value
     cell.write(ir.Node(NEXT, (key,), ((ir.Slot(0),), ()), _KEY_SHAPE, torch.uint32))
     return ir.Node(SUBKEY, (key,), ((ir.Slot(0),), ()), _KEY_SHAPE, torch.uint32)
+
+
+def get_state() -> torch.Tensor:
+    """The stream's current key as a CPU ``uint8`` tensor (``torch.xshard.get_rng_state()``)."""
+    import numpy as np
+
+    from xshard.core import graph
+
+    if _STATE["cell"] is None:
+        manual_seed(torch.initial_seed())
+    node = _STATE["cell"].value
+    array = node.payload if node.is_data else graph.evaluate([node])[0]
+    return torch.from_numpy(np.asarray(array, np.uint32).view(np.uint8).copy())
+
+
+def set_state(state: torch.Tensor) -> None:
+    """Restores a key returned by ``get_state`` (``torch.xshard.set_rng_state(state)``)."""
+    import numpy as np
+
+    from xshard.core import graph
+    from xshard.core.tensor import Cell
+
+    jax = runtime.jax_module()
+    key = np.frombuffer(state.cpu().numpy().astype(np.uint8).tobytes(), np.uint32)
+    if key.shape != _KEY_SHAPE:
+        raise ValueError(f"an xshard RNG state is {_KEY_SHAPE[0] * 4} bytes (a threefry key), "
+                         f"got {state.numel()}; pass a tensor from torch.xshard.get_rng_state().")
+    array = jax.device_put(key, graph.default_sharding())
+    node = ir.data_node(array, _KEY_SHAPE, torch.uint32, array.sharding)
+    if _STATE["cell"] is None:
+        _STATE["cell"] = Cell(node)
+    else:
+        _STATE["cell"].write(node)
 
 
 def initial_seed() -> int:

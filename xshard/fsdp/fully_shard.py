@@ -348,6 +348,7 @@ class _GatherForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit: _Unit, n_params: int, *tensors):
         ctx.unit = unit
+        ctx.set_materialize_grads(False)  # unused parameters keep grad None, as in eager
         ctx.n_params = n_params
         ctx.param_dtypes = [p.dtype for p in tensors[:n_params]]
         fenced = optimization_barrier([t.detach() for t in tensors]) if all(
@@ -371,32 +372,7 @@ class _GatherForward(torch.autograd.Function):
                 annotation = unit.params[i]._cell.sharding
                 g = spmd_api._constrained(g, annotation)
             out.append(g.to(ctx.param_dtypes[i]))
-        input_grads = list(grads[ctx.n_params:])
-        if unit.root._fsdp_sync_grads:
-            input_grads = _fence_after_reduce([g for g in out if g is not None], input_grads)
-        return (None, None, *out, *input_grads)
-
-
-def _fence_after_reduce(reduced: list, input_grads: list) -> list:
-    """The input gradients, released only once this unit's gradients are reduce-scattered.
-
-    [Note: why gradient reductions are fenced]
-    On backends without a reduce-scatter the partitioner reduces each gradient with an all-reduce
-    of the full gradient followed by a slice, and XLA's all-reduce combiner then merges every
-    unit's all-reduces into one at the end of backward: the full gradients of the whole model are
-    alive together (measured: temporaries of 2x the model on a model of 8 units). Putting the
-    reduced gradients behind one optimisation barrier with the gradients flowing on to the
-    previous unit makes the rest of backward depend on this unit's reduction, so reductions stay
-    one unit at a time and each full gradient dies as soon as it is reduced.
-    """
-    positions = [i for i, g in enumerate(input_grads) if isinstance(g, XTensor)]
-    if not reduced or not positions or not all(isinstance(g, XTensor) for g in reduced):
-        return input_grads
-    fenced = optimization_barrier([*reduced, *(input_grads[i] for i in positions)])
-    out = list(input_grads)
-    for i, g in zip(positions, fenced[len(reduced):]):
-        out[i] = g
-    return out
+        return (None, None, *out, *grads[ctx.n_params:])
 
 
 def _tensors_of(tree):

@@ -14,6 +14,7 @@ from xshard.core.barrier import optimization_barrier
 from xshard.core.tensor import XTensor
 
 _RECOMPUTING = threading.local()
+_ONE = 1.0
 
 
 @contextlib.contextmanager
@@ -35,7 +36,12 @@ class _Fence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *tensors):
-        return tuple(optimization_barrier([t.detach() for t in tensors]))
+        fenced = optimization_barrier([t.detach() for t in tensors])
+        # [Note: recomputation XLA cannot merge] XLA's CPU pipeline drops barriers before its
+        # last CSE pass, which then merges the recomputed forward with the original one (the
+        # activations silently stay alive). Multiplying by a one that is a runtime input (Python
+        # scalars are graph inputs) gives XLA a value it cannot prove equal to the original.
+        return tuple(t * _ONE if t.is_floating_point() else t for t in fenced)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -154,7 +154,12 @@ def clear_sharding(t: torch.Tensor) -> torch.Tensor:
     if value.manual:
         return t
     if value.is_data:
-        if get_sharding_spec(t):
+        jax = runtime.jax_module()
+        if isinstance(value.payload, jax.ShapeDtypeStruct):  # compile-only data: no values
+            aval = jax.ShapeDtypeStruct(tuple(value.shape), value.payload.dtype,
+                                        sharding=graph.default_sharding())
+            cell.write(ir.data_node(aval, value.shape, value.dtype, aval.sharding))
+        elif get_sharding_spec(t):
             array = _replicator(tuple(value.shape))(value.payload)
             cell.write(ir.data_node(array, value.shape, value.dtype, array.sharding))
     elif value.op == graph.CONSTRAIN:

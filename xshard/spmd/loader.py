@@ -1,14 +1,14 @@
 """Input sharding for data loaders: batches arrive on the devices already split into shards.
 
-``MpDeviceLoader`` wraps any iterable of batches (a tensor, a tuple/list, or a dict of tensors; other
-leaves pass through unchanged). A background thread copies batch i+1 from the host straight into its
-shards (``jax.device_put`` per shard, no replicated copy) while step i runs; the consumer thread only
-wraps the arrived data as xshard tensors.
+``MpDeviceLoader`` wraps any iterable of batches (a tensor, a tuple/list, or a dict of tensors;
+other leaves pass through unchanged). A background thread copies batch i+1 from the host straight
+into its shards (``jax.device_put`` per shard, no replicated copy) while step i runs; the consumer
+thread only wraps the arrived data as xshard tensors.
 
 [Note: why the background thread makes no tensors]
-Creating an xshard tensor registers its storage cell in ``LIVE_CELLS``, which ``sync()`` walks. The
-thread therefore produces only IR data nodes (plain values over ``jax.Array``s); the tensors are made
-in the consumer's thread, when a batch is handed out.
+Creating an xshard tensor registers its storage cell in ``LIVE_CELLS``, which ``sync()`` walks.
+The thread therefore produces only IR data nodes (plain values over ``jax.Array``s); the tensors
+are made in the consumer's thread, when a batch is handed out.
 
 Example:
     >>> mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
@@ -62,8 +62,8 @@ class ShardingSpec:
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
             raise TypeError(
-                f"ShardingSpec needs an xshard.spmd.Mesh, got {type(self.mesh).__name__}; build one "
-                f"with xs.Mesh(device_ids, mesh_shape, axis_names).")
+                f"ShardingSpec needs an xshard.spmd.Mesh, got {type(self.mesh).__name__}; build "
+                f"one with xs.Mesh(device_ids, mesh_shape, axis_names).")
         if not isinstance(self.partition_spec, (tuple, list)):
             raise TypeError(
                 f"partition_spec must be a tuple with one entry per tensor dimension, got "
@@ -170,8 +170,9 @@ def _transfer(batch, input_sharding):
     """Uploads every tensor of ``batch``; the structure with ``_Pending`` in place of tensors."""
     if isinstance(input_sharding, Mapping):
         if not isinstance(batch, Mapping):
+            keys = sorted(map(str, input_sharding))
             raise ValueError(
-                f"input_sharding is a dict of ShardingSpecs (keys {sorted(map(str, input_sharding))}), "
+                f"input_sharding is a dict of ShardingSpecs (keys {keys}), "
                 f"so each batch must be a dict with those keys, but the loader produced a "
                 f"{type(batch).__name__}. Pass a single ShardingSpec for non-dict batches.")
         out = {}
@@ -261,35 +262,39 @@ class _Failure:
         self.error = error
 
 
+def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _prefetch_worker(source, input_sharding, q: queue.Queue, stop: threading.Event) -> None:
+    # A plain function, not a method: the thread must not keep the iterator alive, so that an
+    # abandoned iterator is collected and its __del__ stops the thread.
+    try:
+        for batch in source:
+            if not _put(q, stop, _transfer(batch, input_sharding)):
+                return
+    except BaseException as e:  # handed to the consumer, raised there
+        _put(q, stop, _Failure(e))
+        return
+    _put(q, stop, _DONE)
+
+
 class _PrefetchIterator:
     """Iterates a loader with a thread that keeps ``prefetch`` transferred batches ready."""
 
     def __init__(self, loader, input_sharding, prefetch: int):
-        self._input_sharding = input_sharding
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(iter(loader),),
-                                        name="xshard-MpDeviceLoader", daemon=True)
+        self._thread = threading.Thread(
+            target=_prefetch_worker, args=(iter(loader), input_sharding, self._queue, self._stop),
+            name="xshard-MpDeviceLoader", daemon=True)
         self._thread.start()
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _work(self, source) -> None:
-        try:
-            for batch in source:
-                if not self._put(_transfer(batch, self._input_sharding)):
-                    return
-        except BaseException as e:  # handed to the consumer, raised there
-            self._put(_Failure(e))
-            return
-        self._put(_DONE)
 
     def __iter__(self):
         return self

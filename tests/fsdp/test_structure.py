@@ -1,0 +1,143 @@
+"""What FSDP does to a module: names, tied parameters, parameter shardings, and its errors."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import xshard
+import xshard.spmd as xs
+from xshard.fsdp import FSDP, MixedPrecision
+from xshard.fsdp.fully_shard import TrainingState
+
+from tests.fsdp.fsdp_testing import POLICIES, gpt, mesh
+
+ALL = "0,1,2,3,4,5,6,7"
+
+
+def test_names_parameters_and_tied_embeddings_are_kept():
+    reference = gpt()
+    names = list(reference.state_dict().keys())
+    param_names = [n for n, _ in reference.named_parameters()]
+    model = FSDP(gpt(), auto_wrap_policy=POLICIES["transformer"])
+    assert type(model).__name__ == "FSDPGPT" and isinstance(model, FSDP)
+    assert list(model.state_dict().keys()) == names
+    assert [n for n, _ in model.named_parameters()] == param_names
+    assert len(list(model.parameters())) == len(list(reference.parameters()))
+    assert model.lm_head.weight is model.wte.weight  # still one parameter
+    assert all(p.device.type == xshard.device().type for p in model.parameters())
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+    assert [u for u in model.fsdp_units][-1] is model
+    assert all(u.state is TrainingState.IDLE for u in model._fsdp_units)
+    # Values on the device are the original ones.
+    full = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_each_parameter_belongs_to_exactly_one_unit():
+    model = FSDP(gpt(), auto_wrap_policy=POLICIES["size"])
+    owned = [id(p) for u in model._fsdp_units for p in u.params]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Parameter(torch.randn(16, 48))    # largest dim 1
+        self.tall = nn.Parameter(torch.randn(48, 16))    # largest dim 0
+        self.uneven = nn.Parameter(torch.randn(9, 5))    # 9 rows over 8 devices: padded to 16
+        self.uneven16 = nn.Parameter(torch.randn(9, 16))
+        self.scalar = nn.Parameter(torch.tensor(3.0))
+        self.one = nn.Parameter(torch.tensor([2.0]))
+        self.register_buffer("steps", torch.tensor(7))
+
+    def forward(self, x):
+        return (x @ self.wide @ self.tall).sum() * self.scalar * self.one
+
+
+def test_parameter_sharding_strings_largest_dim():
+    reference = Odd()
+    model = FSDP(Odd())
+    model.load_state_dict(reference.state_dict())
+    assert xs.get_sharding_spec(model.wide) == "{devices=[1,8]" + ALL + "}"
+    assert xs.get_sharding_spec(model.tall) == "{devices=[8,1]" + ALL + "}"
+    assert xs.get_sharding_spec(model.uneven) == "{devices=[8,1]" + ALL + "}"
+    assert xs.get_sharding_spec(model.uneven16) == "{devices=[1,8]" + ALL + "}"
+    assert xs.get_sharding_spec(model.scalar) == "{replicated}"
+    assert xs.get_sharding_spec(model.one) == "{devices=[8]" + ALL + "}"
+    assert xs.get_sharding_spec(model.steps) == ""  # buffers are not sharded
+    full = model.state_dict()  # syncs the load
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
+    # The uneven parameter is stored padded (16 rows, 2 per device), still annotated.
+    payload = model.uneven._cell.value.payload
+    assert payload.shape == (16, 5)
+    assert {s.data.shape for s in payload.addressable_shards} == {(2, 5)}
+    assert xs.get_sharding_spec(model.uneven) == "{devices=[8,1]" + ALL + "}"
+
+
+def test_parameter_sharding_strings_dim_0():
+    model = FSDP(Odd(), shard_param_on_dim_0=True)
+    assert xs.get_sharding_spec(model.wide) == "{devices=[8,1]" + ALL + "}"
+    assert xs.get_sharding_spec(model.uneven16) == "{devices=[8,1]" + ALL + "}"
+    assert model.uneven16._cell.value.payload.shape == (16, 16)
+    assert xs.get_sharding_spec(model.scalar) == "{replicated}"
+
+
+def test_training_step_with_scalar_and_uneven_parameters():
+    torch.manual_seed(0)
+    reference = Odd()
+    model = FSDP(Odd())
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 16)
+    reference(x).backward()
+    model(x.to(xshard.device())).backward()
+    xshard.sync()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.grad is None:
+            assert q.grad is None
+            continue
+        assert xs.get_sharding_spec(p.grad) == xs.get_sharding_spec(p), name
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_mesh_without_fsdp_axis():
+    with pytest.raises(ValueError, match="must have an axis named 'fsdp'.*\\('data',\\)"):
+        FSDP(nn.Linear(4, 4), mesh=mesh(8, ("data",)))
+
+
+def test_unknown_extra_data_axis():
+    with pytest.raises(ValueError, match="extra_data_axis='batch' is not an axis of the mesh"):
+        FSDP(nn.Linear(4, 4), mesh=mesh(8, ("data", "fsdp"), (2, 4)), extra_data_axis="batch")
+
+
+def test_wrapping_twice():
+    model = FSDP(nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match="already wrapped with FSDP"):
+        FSDP(model)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="wraps an nn.Module"):
+        FSDP(torch.zeros(3))
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "buffer_dtype"])
+def test_mixed_precision_needs_float_dtypes(field):
+    with pytest.raises(ValueError, match=f"MixedPrecision.{field}=torch.int32 must be a "
+                                         f"floating-point torch.dtype"):
+        MixedPrecision(**{field: torch.int32})
+    with pytest.raises(ValueError, match="floating-point"):
+        MixedPrecision(**{field: "bf16"})
+
+
+def test_mixed_precision_is_frozen():
+    mp = MixedPrecision(param_dtype=torch.bfloat16)
+    with pytest.raises(Exception):
+        mp.param_dtype = torch.float16
+    assert mp.reduce_dtype is None and mp.cast_forward_inputs
+
+
+def test_mixed_precision_must_be_the_dataclass():
+    with pytest.raises(TypeError, match="MixedPrecision"):
+        FSDP(nn.Linear(4, 4), mixed_precision={"param_dtype": torch.bfloat16})
