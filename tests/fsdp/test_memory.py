@@ -1,6 +1,7 @@
 """Per-device memory under FSDP: training state scales as 1/N; temporaries hold about one unit."""
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -67,25 +68,24 @@ def test_param_grad_optimizer_bytes_scale_as_one_over_n(n):
     # 96 divides by every n: no padding, each device holds exactly 1/n.
     assert set(per_device.values()) == {replicated // n}
     # Measured live buffers agree: the mesh's devices hold the state plus the small input.
+    gc.collect()  # earlier tests' models (reference cycles through their hooks)
     live = live_bytes_per_device()
     x_bytes = 8 * 96 * 4
     for d in range(8):
         expected = per_device.get(d, 0)
         assert expected <= live[d] <= expected + 2 * x_bytes + 1024, (d, live[d], expected)
-    # XLA's view of the next step: its arguments are the parameters and optimizer state, 1/n each.
+    # XLA's view of the next step (gradients accumulate: they are arguments too): 1/n each.
     model(x).backward()
     opt.step()
     stats = graph.compile_graph(graph.pending_step().graph).memory_analysis()
-    state_args = 3 * replicated // 4 // n  # params + two moments (gradients are outputs)
-    assert state_args <= stats.argument_size_in_bytes <= 1.10 * state_args + 2 * x_bytes
     xshard.sync()
+    assert replicated // n <= stats.argument_size_in_bytes <= 1.10 * replicated / n + x_bytes
 
 
 def test_uneven_parameters_add_only_their_padding():
     # 100 rows over 8 devices: 13 per device (4 padding rows in all).
     model = FSDP(nn.Linear(100, 100, bias=False), auto_wrap_policy=None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step(model.__call__ and (lambda x: model(x).sum()) and model, opt, None) if False else None
     loss = model(torch.randn(8, 100).to(xshard.device())).pow(2).mean()
     loss.backward()
     opt.step()

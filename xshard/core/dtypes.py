@@ -55,6 +55,7 @@ def to_torch_dtype(dtype) -> torch.dtype:
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy array with the exact values of CPU tensor ``t`` (bfloat16 and fp8 included)."""
+    to_numpy_dtype(t.dtype)  # raises UnsupportedDtypeError, naming the supported dtypes
     t = t.detach().resolve_conj().resolve_neg().contiguous()
     carrier = _BITCAST.get(t.dtype)
     if carrier is not None:

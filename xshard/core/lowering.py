@@ -309,6 +309,82 @@ def _threshold_backward(grad, x, threshold):
     return jnp.where(x <= threshold, jnp.zeros((), grad.dtype), grad)
 
 
+@rule(aten.polygamma)
+def _polygamma(n, x):
+    x = _float_like(x)
+    if n == 0:
+        return jax.scipy.special.digamma(x)
+    return jax.scipy.special.polygamma(n, x)
+
+
+@rule(aten.special_zeta, torch.ops.prims.zeta.default)
+def _zeta(x, q):
+    x, q = promote(x, q)
+    return jax.scipy.special.zeta(_float_like(x), _float_like(q))
+
+
+@rule(aten.igamma, torch.ops.prims.igamma.default)
+def _igamma(a, x):
+    a, x = promote(a, x)
+    return jax.scipy.special.gammainc(_float_like(a), _float_like(x))
+
+
+@rule(aten.igammac, torch.ops.prims.igammac.default)
+def _igammac(a, x):
+    a, x = promote(a, x)
+    return jax.scipy.special.gammaincc(_float_like(a), _float_like(x))
+
+
+@rule(aten.special_modified_bessel_i0)
+def _bessel_i0(x):
+    return jax.scipy.special.i0(_float_like(x))
+
+
+@rule(aten.special_modified_bessel_i1)
+def _bessel_i1(x):
+    return jax.scipy.special.i1(_float_like(x))
+
+
+@rule(torch.ops.prims.spherical_bessel_j0.default)
+def _spherical_bessel_j0(x):
+    x = _float_like(x)
+    safe = jnp.where(x == 0, jnp.ones((), x.dtype), x)
+    return jnp.where(x == 0, jnp.ones((), x.dtype), jnp.sin(safe) / safe)
+
+
+@rule(aten.gcd, torch.ops.prims.gcd.default)
+def _gcd(a, b):
+    return jnp.gcd(*promote(a, b))
+
+
+@rule(aten.lcm)
+def _lcm(a, b):
+    return jnp.lcm(*promote(a, b))
+
+
+@rule(torch.ops.prims.div.default)
+def _prims_div(a, b):
+    a, b = promote(a, b)
+    if _category(a.dtype) in (_INT, _BOOL):
+        return lax.div(*jnp.broadcast_arrays(a, b))
+    return a / b
+
+
+@rule(torch.ops.prims.frexp.default, aten.frexp.Tensor)
+def _frexp(x):
+    mantissa, exponent = jnp.frexp(x)
+    return mantissa, exponent.astype(np.int32)
+
+
+@rule(aten.angle)
+def _angle(x):
+    if _category(x.dtype) == _COMPLEX:
+        return jnp.angle(x)
+    x = _float_like(x)
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.asarray(np.pi, x.dtype),
+                                                 jnp.zeros((), x.dtype)))
+
+
 @rule(aten.logit)
 def _logit(x, eps=None):
     x = _float_like(x)
@@ -1008,6 +1084,38 @@ def _scatter(x, dim, index, src):
     return x.at[_scatter_indices(x, dim, index)].set(src.astype(x.dtype))
 
 
+@rule(aten.scatter.reduce, aten.scatter.value_reduce)
+def _scatter_with_reduce(x, dim, index, src, reduce):
+    if not hasattr(src, "shape") or jnp.ndim(src) == 0:
+        src = jnp.broadcast_to(jnp.asarray(src, x.dtype), index.shape)
+    src = src[tuple(slice(0, n) for n in index.shape)].astype(x.dtype)
+    if x.ndim == 0:
+        return x + src.reshape(()) if reduce == "add" else x * src.reshape(())
+    idx = _scatter_indices(x, dim, index)
+    return x.at[idx].add(src) if reduce == "add" else x.at[idx].multiply(src)
+
+
+@rule(aten.put)
+def _put(x, index, source, accumulate=False):
+    flat = jnp.ravel(x)
+    index = jnp.ravel(index)
+    index = jnp.where(index < 0, index + flat.size, index)
+    source = jnp.ravel(source).astype(x.dtype)
+    flat = _scatter_sum(flat, index, source) if accumulate else flat.at[index].set(source)
+    return flat.reshape(x.shape)
+
+
+@rule(aten.masked_scatter)
+def _masked_scatter(x, mask, source):
+    """The k-th True of ``mask`` takes the k-th element of ``source`` (a cumulative-sum rank)."""
+    mask = jnp.broadcast_to(mask, x.shape)
+    flat_source = jnp.ravel(source).astype(x.dtype)
+    if flat_source.size == 0:
+        return x
+    rank = jnp.clip(jnp.cumsum(jnp.ravel(mask).astype(np.int64)) - 1, 0, flat_source.size - 1)
+    return jnp.where(mask, flat_source[rank].reshape(x.shape), x)
+
+
 @rule(aten.scatter_add)
 def _scatter_add(x, dim, index, src):
     if x.ndim == 0:
@@ -1332,6 +1440,75 @@ def _cumprod(x, dim, dtype=None):
     return jnp.cumprod(x.astype(acc), axis=dim % x.ndim)
 
 
+@rule(aten.logcumsumexp)
+def _logcumsumexp(x, dim):
+    return lax.cumlogsumexp(x, axis=dim % x.ndim) if x.ndim else x
+
+
+def _cum_extreme(x, dim, better):
+    """Running max/min with the index of its latest occurrence; NaN wins and stays (as in ATen)."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    dim = dim % x.ndim
+    shape = [1] * x.ndim
+    shape[dim] = x.shape[dim]
+    idx = jnp.broadcast_to(jnp.arange(x.shape[dim], dtype=np.int64).reshape(shape), x.shape)
+
+    def combine(a, b):
+        (va, ia), (vb, ib) = a, b
+        take_b = better(vb, va) | (vb == va)
+        if _category(x.dtype) == _FLOAT:
+            take_b = jnp.isnan(vb) | (~jnp.isnan(va) & take_b)
+        return jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia)
+
+    return lax.associative_scan(combine, (x, idx), axis=dim)
+
+
+@rule(aten.cummax)
+def _cummax(x, dim):
+    return _cum_extreme(x, dim, jnp.greater)
+
+
+@rule(aten.cummin)
+def _cummin(x, dim):
+    return _cum_extreme(x, dim, jnp.less)
+
+
+@rule(aten.median.default)
+def _median(x):
+    flat = jnp.sort(jnp.ravel(x))  # NaNs sort last
+    value = flat[(flat.size - 1) // 2]
+    if _category(x.dtype) == _FLOAT:
+        value = jnp.where(jnp.any(jnp.isnan(flat)), jnp.nan, value)
+    return value
+
+
+@rule(aten.nanmedian.default)
+def _nanmedian(x):
+    flat = jnp.sort(jnp.ravel(x))
+    if _category(x.dtype) != _FLOAT:
+        return flat[(flat.size - 1) // 2]
+    count = jnp.sum(~jnp.isnan(flat))
+    return jnp.where(count > 0, flat[jnp.maximum(count - 1, 0) // 2], jnp.nan)
+
+
+@rule(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def _searchsorted(sorted_sequence, values, out_int32=False, right=False, side=None, sorter=None):
+    seq = sorted_sequence
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    side = side or ("right" if right else "left")
+    values = jnp.asarray(values)
+    dtype = np.int32 if out_int32 else np.int64
+    if seq.ndim == 1:
+        return jnp.searchsorted(seq, values, side=side).astype(dtype)
+    lead = seq.shape[:-1]
+    flat_seq = seq.reshape((-1, seq.shape[-1]))
+    flat_values = values.reshape((flat_seq.shape[0], -1))
+    out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(flat_seq, flat_values)
+    return out.reshape(lead + values.shape[-1:]).astype(dtype)
+
+
 @rule(aten.sort.default, aten.sort.stable)
 def _sort(x, *args, stable=None, dim=-1, descending=False):
     if args:
@@ -1445,6 +1622,35 @@ def _addbmm(bias, a, b, beta=1, alpha=1):
     if isinstance(beta, (int, float)) and beta == 0:
         return out
     return out + _scale(bias.astype(out.dtype), beta)
+
+
+@rule(aten._cdist_forward)
+def _cdist_forward(x1, x2, p, compute_mode=None):
+    diff = jnp.abs(x1[..., :, None, :] - x2[..., None, :, :])
+    return _p_norm_last(diff, p)
+
+
+def _p_norm_last(a, p):
+    if p == 0:
+        return jnp.sum((a != 0).astype(a.dtype), axis=-1)
+    if p == float("inf"):
+        return jnp.max(a, axis=-1, initial=0)
+    if p == 1:
+        return jnp.sum(a, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=-1))
+    return jnp.sum(a ** p, axis=-1) ** (1.0 / p)
+
+
+@rule(aten._pdist_forward)
+def _pdist_forward(x, p=2):
+    i, j = np.triu_indices(x.shape[0], 1)
+    return _p_norm_last(jnp.abs(x[i] - x[j]), p)
+
+
+@rule(aten.view_as_real)
+def _view_as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
 
 
 @rule(aten.complex)

@@ -134,6 +134,25 @@ def _annotate(t: XTensor, annotation: sh.Annotation) -> None:
         cell.write(reshard_data(value, annotation))
     else:
         cell.write(graph.constrain(value, annotation))
+    if t.is_leaf and t.requires_grad and not getattr(t, "_xshard_grad_hook", False):
+        t.register_post_accumulate_grad_hook(_grad_like_param)
+        t._xshard_grad_hook = True
+
+
+def _grad_like_param(param: torch.Tensor) -> None:
+    """A parameter's gradient lives sharded like the parameter (and so does what torch.optim
+    derives from it), unless it carries an annotation of its own."""
+    grad = param.grad
+    annotation = param._cell.sharding
+    if not isinstance(grad, XTensor) or annotation is None or \
+            tuple(grad.shape) != tuple(param.shape):
+        return
+    if grad._chain:  # a view of a temporary (e.g. the transpose of a matmul): own storage
+        with torch.no_grad():
+            grad = grad.clone()
+        param.grad = grad
+    if grad._cell.sharding is None:
+        grad._cell.sharding = annotation
 
 
 def clear_sharding(t: torch.Tensor) -> torch.Tensor:

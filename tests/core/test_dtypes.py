@@ -1,0 +1,134 @@
+"""Every dtype keeps its exact type and values through arithmetic, casts, reductions and comparisons,
+with PyTorch's promotion rules (eager CPU is the oracle)."""
+
+import pytest
+import torch
+
+import xshard
+from core_testing import DEV, assert_same, check
+
+DTYPES = [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float64, torch.float32,
+          torch.bfloat16, torch.float16]
+FLOATS = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+INTS = [torch.int64, torch.int32, torch.uint8]
+
+
+def values(dtype, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype is torch.uint8:
+        return torch.randint(0, 256, (n,), generator=g, dtype=dtype)
+    if dtype in (torch.int32, torch.int64):
+        return torch.randint(-100, 100, (n,), generator=g, dtype=dtype)
+    return (torch.randn(n, generator=g) * 4).to(dtype)
+
+
+def nonzero(dtype, n=12, seed=1):
+    v = values(dtype, n, seed)
+    if dtype is torch.bool:
+        return torch.ones(n, dtype=dtype)
+    return torch.where(v == 0, torch.ones((), dtype=dtype), v)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d is not torch.bool], ids=str)
+def test_arithmetic(dtype):
+    a, b = values(dtype), nonzero(dtype)
+    check(lambda x, y: (x + y, x - y, x * y, x / y, -x if dtype is not torch.uint8 else x,
+                        x * 2, x + 3, torch.maximum(x, y), torch.abs(x)), a, b)
+
+
+@pytest.mark.parametrize("dtype", INTS, ids=str)
+def test_integer_division_and_remainder(dtype):
+    a, b = values(dtype), nonzero(dtype)
+    check(lambda x, y: (x // y, x % y, torch.div(x, y, rounding_mode="trunc"),
+                        torch.div(x, y, rounding_mode="floor"), torch.fmod(x, y)), a, b)
+
+
+@pytest.mark.parametrize("dtype", INTS + [torch.bool], ids=str)
+def test_bitwise(dtype):
+    a, b = values(dtype), values(dtype, seed=3)
+    check(lambda x, y: (x & y, x | y, x ^ y, ~x), a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_comparisons_and_where(dtype):
+    a, b = values(dtype), values(dtype, seed=5)
+    check(lambda x, y: (x == y, x != y, x < y, x >= y, torch.where(x > y, x, y),
+                        torch.eq(x, x)), a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reductions(dtype):
+    a = values(dtype).view(3, 4)
+    fns = [lambda x: x.sum(), lambda x: x.sum(0), lambda x: x.amax(1), lambda x: x.amin(),
+           lambda x: x.any(), lambda x: x.all(1), lambda x: x.prod(0)]
+    if dtype is not torch.bool:
+        fns.append(lambda x: x.argmax(1))
+    if dtype.is_floating_point:
+        fns += [lambda x: x.mean(1), lambda x: x.cumsum(1), lambda x: x.std(0)]
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype in (torch.bfloat16, torch.float16) else {}
+    check(lambda x: tuple(f(x) for f in fns), a, **tol)
+
+
+@pytest.mark.parametrize("src", DTYPES, ids=str)
+def test_casts_between_all_dtypes(src):
+    a = values(src)
+    if src.is_floating_point:  # keep float -> unsigned/narrow int casts defined (in range)
+        a = a.abs().clamp(max=120)
+    check(lambda x: tuple(x.to(dst) for dst in DTYPES), a)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_float_math(dtype):
+    a, b = values(dtype), nonzero(dtype).abs()
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype in (torch.bfloat16, torch.float16) else {}
+    check(lambda x, y: (x.exp().clamp(max=100), y.log(), y.sqrt(), x.sin(), x.tanh(),
+                        x.sigmoid(), x.floor(), x.round(), x.pow(2), torch.softmax(x, 0)),
+          a, b, **tol)
+
+
+def test_int64_precision_through_ops():
+    big = torch.tensor([2**53 + 1, -(2**53) - 3, 2**62 - 1, 12345678901234], dtype=torch.int64)
+    check(lambda x: (x + 1, x - 2**40, x * 1, x.sum(), x.cumsum(0), x.max(), x.sort().values,
+                     x[x > 0], x.abs(), x // 7, x % 1000, x.view(2, 2).t().contiguous()), big)
+    d = big.to(DEV)
+    assert d.tolist() == big.tolist()
+    assert (d[2] + 0).item() == 2**62 - 1
+
+
+def test_uint8_wraps_like_eager():
+    a = torch.tensor([250, 5, 128], dtype=torch.uint8)
+    check(lambda x: (x + 10, x * 3, x - 6, x.sum(), x.to(torch.int8)), a)
+
+
+def test_float16_bfloat16_rounding_matches_eager():
+    a = torch.tensor([1.0, 1 / 3, 65504.0, 1e-4, 3.14159, -2.71828])
+    for dtype in (torch.float16, torch.bfloat16):
+        check(lambda x: (x.to(dtype), x.to(dtype) * 3, x.to(dtype).to(torch.float32)), a)
+
+
+def test_mixed_dtype_promotion_table():
+    pairs = [(x, y) for x in DTYPES for y in DTYPES]
+    for x_dt, y_dt in pairs:
+        a, b = values(x_dt, 4), values(y_dt, 4, seed=9)
+        expected = a + b if torch.bool not in (x_dt, y_dt) or x_dt != y_dt else a | b
+        got = a.to(DEV) + b.to(DEV) if torch.bool not in (x_dt, y_dt) or x_dt != y_dt \
+            else a.to(DEV) | b.to(DEV)
+        assert got.dtype == expected.dtype, (x_dt, y_dt)
+    xshard.sync()
+
+
+def test_default_dtype_and_scalar_types():
+    d = torch.tensor([1, 2, 3], device=DEV)
+    assert (d * 1.5).dtype == torch.float32
+    assert (d.float() * torch.tensor(1.5, dtype=torch.float64)).dtype == torch.float32
+    assert (d / 2).dtype == torch.float32
+    assert_same(d.float().mean(), torch.tensor(2.0))
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert torch.ones(2, device=DEV).dtype == torch.float64
+        assert_same(torch.arange(3.0, device=DEV), torch.arange(3.0))
+    finally:
+        torch.set_default_dtype(prev)
