@@ -167,7 +167,9 @@ def test_gpt_trains_like_eager():
     assert first["compiles"] <= 2
     assert steady["compiles"] == 0 and steady["executions"] == 2
     assert model.lm_head.weight is model.wte.weight  # tied embeddings stay one parameter
-    assert_params_equal(model, ref, rtol=1e-3, atol=1e-4)
+    # AdamW moves a weight with a near-zero gradient by about lr whatever the gradient's rounding,
+    # so a few such weights may differ by a fraction of lr (3e-3) in float32.
+    assert_params_equal(model, ref, rtol=1e-3, atol=5e-4)
 
 
 def test_gpt_with_dropout_runs_without_fallback_or_recompiles():

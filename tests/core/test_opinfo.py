@@ -13,10 +13,10 @@ from opinfo_harness import check, full_name, op_by_name, supported, variants
 FAST_OPS = [
     # elementwise
     "abs", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "erf",
-    "reciprocal", "floor", "ceil", "round", "trunc", "sign", "clamp", "add", "sub", "mul", "div.no_rounding_mode",
-    "div.floor_rounding", "true_divide", "pow", "remainder", "fmod", "maximum", "minimum", "eq", "ne", "lt", "ge",
-    "where", "lerp", "addcmul", "addcdiv", "logical_and", "logical_not", "isnan", "nan_to_num",
-    "atan2", "masked_fill",
+    "reciprocal", "floor", "ceil", "round", "trunc", "sign", "clamp", "add", "sub", "mul",
+    "div.no_rounding_mode", "div.floor_rounding", "true_divide", "pow", "remainder", "fmod",
+    "maximum", "minimum", "eq", "ne", "lt", "ge", "where", "lerp", "addcmul", "addcdiv",
+    "logical_and", "logical_not", "isnan", "nan_to_num", "atan2", "masked_fill",
     # reductions
     "sum", "mean", "prod", "amax", "amin", "argmax", "argmin", "max.reduction_with_dim",
     "min.reduction_with_dim", "var", "std", "any", "all", "logsumexp", "cumsum", "norm",
@@ -37,6 +37,13 @@ FAST_OPS = [
 ]
 
 
+# Checks that fail for a reason xshard cannot fix: the order of tied elements is unspecified.
+KNOWN_FAILURES = {
+    ("topk", "function", torch.int64): "ATen's CPU topk returns tied values in an unspecified "
+                                        "order (its partial sort), XLA's top_k in index order",
+}
+
+
 def _cases(names, dtypes):
     """``names``: full OpInfo names (``name.variant_test_name``)."""
     cases = []
@@ -44,8 +51,10 @@ def _cases(names, dtypes):
         op = op_by_name(name)
         for dtype in supported(op, dtypes):
             for variant, _ in variants(op):
-                cases.append(pytest.param(op, variant, dtype,
-                                          id=f"{full_name(op)}-{variant}-{str(dtype)[6:]}"))
+                reason = KNOWN_FAILURES.get((name, variant, dtype))
+                marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+                cases.append(pytest.param(op, variant, dtype, marks=marks,
+                                          id=f"{name}-{variant}-{str(dtype)[6:]}"))
     return cases
 
 
@@ -61,19 +70,21 @@ def test_common_op_matches_eager(op, variant, dtype):
     _assert_passes(op, variant, dtype, n_samples=2)
 
 
-def _all_cases():
+def _every_opinfo():
     from torch.testing._internal.common_methods_invocations import op_db
 
-    cases = []
-    for op in op_db:
-        for dtype in supported(op, (torch.float32,)):
-            for variant, _ in variants(op):
-                cases.append(pytest.param(op, variant, dtype,
-                                          id=f"{full_name(op)}-{variant}-float32"))
-    return cases
+    return [pytest.param(op, id=full_name(op)) for op in op_db]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("op,variant,dtype", _all_cases())
-def test_every_opinfo_float32(op, variant, dtype):
-    _assert_passes(op, variant, dtype, n_samples=5)
+@pytest.mark.parametrize("op", _every_opinfo())
+def test_every_opinfo_float32(op):
+    """Every OpInfo, float32, function and in-place variants (see docs/conformance.md)."""
+    if torch.float32 not in supported(op):
+        pytest.skip("the OpInfo does not support float32 on CPU")
+    failures = []
+    for variant, _ in variants(op):
+        result = check(op, variant, torch.float32)
+        if result.applicable and not result.fully_passes:
+            failures.append(f"{variant}: {result.error or result.excluded}")
+    assert not failures, "; ".join(failures)

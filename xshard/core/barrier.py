@@ -32,7 +32,9 @@ RULES[BARRIER] = _barrier_rule
 # slice) into one at the end of backward, holding every full gradient. Measured on 8 virtual CPU
 # devices, 8 units of 2 MiB each: 32 MiB of temporaries per device with both, 2 MiB without.
 # A graph with a barrier asks for program order to hold, so it is compiled with the memory-minimising
-# scheduler and without that combiner. Other backends keep barriers through scheduling.
+# scheduler (the XLA_FLAGS equivalent: --xla_cpu_enable_concurrency_optimized_scheduler=false) and
+# without that combiner. The last CSE pass also runs after barriers are gone: activation
+# checkpointing defends against it itself (see xshard/fsdp/utils.py).
 def _barrier_compiler_options() -> dict:
     if runtime.platform() != "cpu":
         return {}

@@ -81,6 +81,7 @@ _STATIC_SCALAR_OPS = {aten.arange, aten.linspace, aten.logspace, aten.pow, aten.
                       aten.full_like, aten.round, aten.quantile, aten.nanquantile,
                       aten.histc, aten.bucketize, aten.renorm, aten.norm, aten.linalg_vector_norm,
                       aten.special_zeta, aten.polygamma, aten.mvlgamma, aten._cdist_forward,
+                      aten._pdist_forward,
                       aten.cdist}
 
 

@@ -335,15 +335,7 @@ _CACHE: dict = {}
 
 def _lower(graph: Graph):
     program = Program(graph)
-    placement = {}
-    if all(node.op is ir.SCALAR for node in graph.inputs):
-        # No device data in: jit would put the results (torch.ones(..., device=d) and the like)
-        # on one device, and the next step, reading them, would see another input layout.
-        # Unannotated data is replicated over all devices (see default_sharding).
-        placement["out_shardings"] = tuple(
-            graph.order[o].template[0][2] if graph.order[o].op == SHARD_OUTPUT
-            else default_sharding() for o in graph.outputs)
-    jitted = jax.jit(program, donate_argnums=graph.donate, **placement)
+    jitted = jax.jit(program, donate_argnums=graph.donate)
     with warnings.catch_warnings():
         # Donation is offered for every buffer no live tensor holds; XLA reuses those it can.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -520,10 +512,22 @@ def sync(wait: bool = False) -> None:
     metrics.METRICS.record_execute(time.perf_counter() - start)
     for c, pos in zip(step.cells, step.owners):
         node = c.value
-        array = results[pos]
+        array = _placed(results[pos])
         c.write(ir.data_node(array, node.shape, node.dtype, array.sharding))
     if wait:
         wait_all()
+
+
+def _placed(array):
+    """Unannotated data lives replicated over all devices (see default_sharding).
+
+    A graph without device data among its inputs (``torch.ones(..., device=d)`` and the like) runs
+    on one device; left there, its results would give the next step another input layout, and so
+    another executable than the steady state's.
+    """
+    if isinstance(array.sharding, jax.sharding.SingleDeviceSharding) and runtime.device_count() > 1:
+        return jax.device_put(array, default_sharding())
+    return array
 
 
 def _quarantine(cells, error) -> None:

@@ -309,20 +309,6 @@ def _threshold_backward(grad, x, threshold):
     return jnp.where(x <= threshold, jnp.zeros((), grad.dtype), grad)
 
 
-@rule(aten.polygamma)
-def _polygamma(n, x):
-    x = _float_like(x)
-    if n == 0:
-        return jax.scipy.special.digamma(x)
-    return jax.scipy.special.polygamma(n, x)
-
-
-@rule(aten.special_zeta, torch.ops.prims.zeta.default)
-def _zeta(x, q):
-    x, q = promote(x, q)
-    return jax.scipy.special.zeta(_float_like(x), _float_like(q))
-
-
 @rule(aten.igamma, torch.ops.prims.igamma.default)
 def _igamma(a, x):
     a, x = promote(a, x)
@@ -1092,7 +1078,9 @@ def _scatter_with_reduce(x, dim, index, src, reduce):
     if x.ndim == 0:
         return x + src.reshape(()) if reduce == "add" else x * src.reshape(())
     idx = _scatter_indices(x, dim, index)
-    return x.at[idx].add(src) if reduce == "add" else x.at[idx].multiply(src)
+    if reduce == "add":
+        return _scatter_sum(x, idx, src)
+    return x.at[idx].min(src) if x.dtype == np.bool_ else x.at[idx].multiply(src)
 
 
 @rule(aten.put)
@@ -1108,7 +1096,7 @@ def _put(x, index, source, accumulate=False):
 @rule(aten.masked_scatter)
 def _masked_scatter(x, mask, source):
     """The k-th True of ``mask`` takes the k-th element of ``source`` (a cumulative-sum rank)."""
-    mask = jnp.broadcast_to(mask, x.shape)
+    x, mask = jnp.broadcast_arrays(x, mask)
     flat_source = jnp.ravel(source).astype(x.dtype)
     if flat_source.size == 0:
         return x

@@ -106,6 +106,7 @@ class FSDP:
         self._fsdp_shard_input = shard_input
         self._fsdp_sync_grads = True
         self._fsdp_release_queued = False
+        self._fsdp_grads_queued = False
         _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
         units = select_units(self, auto_wrap_policy)
         owned: set = set()
@@ -372,7 +373,30 @@ class _GatherForward(torch.autograd.Function):
                 annotation = unit.params[i]._cell.sharding
                 g = spmd_api._constrained(g, annotation)
             out.append(g.to(ctx.param_dtypes[i]))
+        root = unit.root
+        if root._fsdp_sync_grads and not root._fsdp_grads_queued:
+            root._fsdp_grads_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_annotate_grads, root))
         return (None, None, *out, *grads[ctx.n_params:])
+
+
+def _annotate_grads(root: FSDP) -> None:
+    """End of a backward outside ``no_sync``: every gradient is sharded like its parameter.
+
+    A gradient first made under ``no_sync`` has no annotation, and accumulating a reduced one into
+    it keeps it that way (replicated on every device); annotating it here makes the next sync
+    reduce-scatter the accumulated sum once.
+    """
+    root._fsdp_grads_queued = False
+    for p in root.parameters():
+        g = p.grad
+        if not isinstance(g, XTensor) or p._cell.sharding is None:
+            continue
+        if g._chain:  # a view (e.g. the transpose a matmul's backward returns): own storage
+            g = p.grad = xt.new_base(g._value())
+        if g._cell.sharding is None:
+            spmd_api._annotate(g, p._cell.sharding)
 
 
 def _tensors_of(tree):
