@@ -40,6 +40,11 @@ from xshard.spmd import sharding as sh
 
 FSDP_AXIS = "fsdp"
 
+# Units register a full backward pre-hook only to learn when their backward starts; PyTorch warns
+# when such a module's inputs need no gradient (an embedding's token ids), which is fine here.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
+                        "computed with respect to module outputs since no inputs require")
+
 
 class TrainingState(enum.Enum):
     IDLE = "idle"
@@ -212,6 +217,12 @@ def _shard_parameters(root: nn.Module, mesh: Mesh, on_dim_0: bool, mp: MixedPrec
 
     with torch.no_grad():
         root._apply(move)
+    # Gradients that reach a parameter outside its unit's gather (a tied weight read by a module of
+    # another unit) still end up sharded like the parameter.
+    for p in root.parameters():
+        if p.requires_grad and not getattr(p, "_xshard_grad_hook", False):
+            p.register_post_accumulate_grad_hook(spmd_api._grad_like_param)
+            p._xshard_grad_hook = True
 
 
 def _spec(annotation: sh.Annotation) -> tuple:
