@@ -1,4 +1,4 @@
-"""Conformance with PyTorch's OpInfo database: OpInfo samples run on xshard, eager CPU is the oracle.
+"""Conformance with PyTorch's OpInfo database: OpInfo samples on xshard, eager CPU the oracle.
 
 One check is an OpInfo, a variant (``"function"``: ``op.op``; ``"inplace"``: ``op.inplace_variant``)
 and a dtype. For each of the first ``n_samples`` of ``op.sample_inputs('cpu', dtype)``:
