@@ -268,7 +268,7 @@ def record(func, info, args, kwargs):
         template = (template[0], template[1] + (("_key", ir.Slot(len(inputs) - 1)),))
     out = _wrap_outputs(func, tuple(inputs), template, spec)
     if func in _INHERIT_SHARDING:
-        _inherit_sharding(func, args, out)
+        _inherit_sharding(args, out)
     return out
 
 
@@ -278,8 +278,8 @@ _INHERIT_SHARDING = {aten.clone.default, aten.zeros_like.default, aten.empty_lik
                      aten.ones_like.default, aten.full_like.default}
 
 
-def _inherit_sharding(func, args, out):
-    if func in _INHERIT_SHARDING and isinstance(args[0], XTensor) and isinstance(out, XTensor):
+def _inherit_sharding(args, out):
+    if isinstance(args[0], XTensor) and isinstance(out, XTensor):
         source = args[0]
         if source._cell.sharding is not None and not source._chain:
             out._cell.sharding = source._cell.sharding

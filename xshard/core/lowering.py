@@ -1511,10 +1511,8 @@ def _sort(x, *args, stable=None, dim=-1, descending=False):
     idx = jnp.argsort(key, axis=dim, stable=True)
     if descending and _category(x.dtype) == _FLOAT:
         # NaN sorts first when descending, last when ascending (as in PyTorch).
-        nan_first = jnp.argsort(~jnp.isnan(x), axis=dim, stable=True)
         idx = jnp.take_along_axis(idx, jnp.argsort(jnp.take_along_axis(
             ~jnp.isnan(x), idx, axis=dim), axis=dim, stable=True), axis=dim)
-        del nan_first
     return jnp.take_along_axis(x, idx, axis=dim), idx.astype(np.int64)
 
 

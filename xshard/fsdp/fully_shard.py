@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from xshard.core import graph, ir
+from xshard.core import graph
 from xshard.core import tensor as xt
 from xshard.core.barrier import optimization_barrier
 from xshard.core.tensor import XTensor

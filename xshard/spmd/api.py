@@ -9,6 +9,7 @@ as annotated.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from xshard.core.tensor import XTensor
 from xshard.mesh import Mesh
 from xshard.spmd import sharding as sh
 from xshard.spmd.spec import ShardingType
+
+if TYPE_CHECKING:
+    from xshard.spmd.sharded_tensor import XLAShardedTensor
 
 
 class ShardingAnnotationError(RuntimeError):
