@@ -126,20 +126,25 @@ def op_info(func) -> OpInfo_:
 
 
 class _Recording:
-    """Collects a call's graph inputs while its arguments are frozen into a hashable template."""
+    """Collects a call's graph inputs while its arguments are frozen into a hashable template.
 
-    __slots__ = ("inputs", "meta_key")
+    With ``nodes=False`` only the template and the meta-kernel key are built: no input node is
+    made (no view replayed, no 0-dim CPU tensor uploaded), for calls that only need the metadata.
+    """
 
-    def __init__(self):
+    __slots__ = ("inputs", "meta_key", "nodes")
+
+    def __init__(self, nodes=True):
         self.inputs = []
         self.meta_key = []
+        self.nodes = nodes
 
     def tensor(self, t):
         if type(t) is XTensor or isinstance(t, XTensor):
-            node = t._value()
+            node = t._value() if self.nodes else None
             self.meta_key.append((t.shape, t.stride(), t.dtype))
         else:
-            node = _cpu_operand(t)
+            node = _cpu_operand(t) if self.nodes else _check_cpu_operand(t)
             self.meta_key.append(("cpu0", t.dtype))
         self.inputs.append(node)
         return ir.Slot(len(self.inputs) - 1)
@@ -154,7 +159,7 @@ class _Recording:
         if dynamic is not None and type(x) in _SCALAR_TYPES:
             default = dynamic[0]
             if default is _NO_DEFAULT or x != default or type(x) is not type(default):
-                self.inputs.append(ir.scalar_node(x))
+                self.inputs.append(ir.scalar_node(x) if self.nodes else None)
                 self.meta_key.append(type(x))
                 return ir.Slot(len(self.inputs) - 1)
         if isinstance(x, torch.Generator):
@@ -170,18 +175,23 @@ _SCALAR_TYPES = (bool, int, float, complex)
 
 def _cpu_operand(t: torch.Tensor) -> ir.Node:
     """A CPU tensor passed to a device op: allowed when 0-dim (uploaded as an input), as with CUDA."""
-    if t.device.type == "cpu" and t.dim() == 0:
-        from xshard.core import graph
+    from xshard.core import graph
 
-        return graph.upload_node(t)
+    _check_cpu_operand(t)
+    return graph.upload_node(t)
+
+
+def _check_cpu_operand(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and t.dim() == 0:
+        return None
     raise DeviceMismatchError(
         f"Expected all tensors to be on the same device, but found at least two devices, "
         f"{xt.DEVICE} and {t.device} (a tensor of shape {tuple(t.shape)}). Move it with "
         f"t.to(xshard.device()) first; only 0-dim CPU tensors may be mixed with device tensors.")
 
 
-def _freeze_call(func, info, args, kwargs):
-    rec = _Recording()
+def _freeze_call(func, info, args, kwargs, nodes=True):
+    rec = _Recording(nodes)
     dyn = info.positional_dynamic
     targs = tuple(rec.freeze(a, dyn[i] if i < len(dyn) else None) for i, a in enumerate(args))
     tkwargs = tuple((k, rec.freeze(v, info.kw_dynamic.get(k))) for k, v in kwargs.items()
@@ -307,7 +317,7 @@ def _mutating(func, info, args, kwargs):
         return cpu_fallback(func, args, kwargs)
     bound = _bind(func, args, kwargs)
     # Let PyTorch's meta kernel validate the call (broadcast into self, dtype cast rules, overlap).
-    template, rec = _freeze_call(func, info, args, kwargs)
+    _, rec = _freeze_call(func, info, args, kwargs, nodes=False)
     try:
         _meta_outputs(func, args, kwargs, (func, tuple(rec.meta_key)))
     except NotImplementedError:
@@ -411,9 +421,10 @@ VIEW_OPS = {
 
 def _view(func, info, args, kwargs):
     base = args[0]
-    template, rec = _freeze_call(func, info, args, kwargs)
+    template, rec = _freeze_call(func, info, args, kwargs, nodes=False)
     spec = _meta_outputs(func, args, kwargs, (func, tuple(rec.meta_key)))
     if len(rec.inputs) != 1:  # a view op with a tensor-valued static argument: not aliasing-safe
+        template, rec = _freeze_call(func, info, args, kwargs)
         return _wrap_outputs(func, tuple(rec.inputs), template, spec)
     if spec[0] == "t":
         return _make_view(base, func, template, spec)

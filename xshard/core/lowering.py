@@ -181,39 +181,14 @@ def _sgn(x):
     return x if x.dtype == np.bool_ else jnp.sign(x)
 
 
-@rule(aten.logical_not)
-def _logical_not(x):
-    return jnp.logical_not(x)
-
-
-@rule(aten.isnan)
-def _isnan(x):
-    return jnp.isnan(x)
-
-
-@rule(aten.isinf)
-def _isinf(x):
-    return jnp.isinf(x)
-
-
-@rule(aten.isfinite)
-def _isfinite(x):
-    return jnp.isfinite(x)
-
-
-@rule(aten.signbit)
-def _signbit(x):
-    return jnp.signbit(x)
-
-
-@rule(aten.isneginf)
-def _isneginf(x):
-    return jnp.isneginf(x)
-
-
-@rule(aten.isposinf)
-def _isposinf(x):
-    return jnp.isposinf(x)
+# One-argument ops whose jax.numpy function already has PyTorch's semantics.
+_UNARY_DIRECT = {
+    aten.logical_not: jnp.logical_not, aten.isnan: jnp.isnan, aten.isinf: jnp.isinf,
+    aten.isfinite: jnp.isfinite, aten.signbit: jnp.signbit, aten.isneginf: jnp.isneginf,
+    aten.isposinf: jnp.isposinf,
+}
+for _op, _fn in _UNARY_DIRECT.items():
+    rule(_op)(lambda x, _fn=_fn: _fn(x))
 
 
 @rule(aten.relu)
