@@ -71,6 +71,17 @@ def test_cache_keyed_by_structure_not_data():
     assert_same(other, (c.cpu() * 3).exp().sum(0))
 
 
+def test_calls_differing_only_in_argument_structure_get_their_own_shapes():
+    # Flattened, sum(x, [0, 1]) and sum(x, [0], True) have equal static arguments (True == 1).
+    x = torch.randn(4, 5, 6)
+    d = x.to(DEV)
+    for result, expected in ((d.sum((0, 1)), x.sum((0, 1))),
+                             (d.sum(0, keepdim=True), x.sum(0, keepdim=True)),
+                             (d.sum(dim=0), x.sum(dim=0)), (d.sum(0), x.sum(0)),
+                             (d.sum(dim=(0,), keepdim=True), x.sum(dim=(0,), keepdim=True))):
+        assert_same(result, expected)
+
+
 def test_python_scalars_are_inputs():
     a = fresh(4)
     with counting() as d:

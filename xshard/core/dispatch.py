@@ -153,6 +153,9 @@ class _Recording:
         if isinstance(x, torch.Tensor):
             return self.tensor(x)
         if isinstance(x, (list, tuple)):
+            # The meta key is flat: it spells out nesting, and each static value's type (True == 1
+            # and hash equally, yet sum(x, [0, 1]) and sum(x, [0], True) differ).
+            self.meta_key.append(("seq", len(x)))
             if dynamic is not None and x and all(type(v) in _SCALAR_TYPES for v in x):
                 return tuple(self.freeze(v, dynamic) for v in x)
             return tuple(self.freeze(v) for v in x)
@@ -166,7 +169,7 @@ class _Recording:
             raise TypeError(
                 "xshard random ops draw from the device's own stream; pass generator=None and seed "
                 "it with torch.manual_seed(seed).")
-        self.meta_key.append(x)
+        self.meta_key.append((type(x), x))
         return x
 
 
@@ -194,9 +197,13 @@ def _freeze_call(func, info, args, kwargs, nodes=True):
     rec = _Recording(nodes)
     dyn = info.positional_dynamic
     targs = tuple(rec.freeze(a, dyn[i] if i < len(dyn) else None) for i, a in enumerate(args))
-    tkwargs = tuple((k, rec.freeze(v, info.kw_dynamic.get(k))) for k, v in kwargs.items()
-                    if not (k == "generator" and v is None))
-    return (targs, tkwargs), rec
+    tkwargs = []
+    for k, v in kwargs.items():
+        if k == "generator" and v is None:
+            continue
+        rec.meta_key.append(k)
+        tkwargs.append((k, rec.freeze(v, info.kw_dynamic.get(k))))
+    return (targs, tuple(tkwargs)), rec
 
 
 # -- meta inference -----------------------------------------------------------------------------
