@@ -120,7 +120,7 @@ def _check_runnable(graph: "Graph") -> None:
 
 def to_cpu(t: XTensor) -> torch.Tensor:
     """The value of ``t`` as a CPU tensor; runs pending work first (one graph, like ``sync()``)."""
-    if not t._cell.value.is_data:
+    if not settled(t._cell.value):
         sync()
     node = t._value()
     if node.manual:
@@ -445,10 +445,47 @@ RULES[CONSTRAIN] = _constrain
 RULES[SHARD_OUTPUT] = _shard_output
 
 
+# [Note: per-device partial sums]
+# GSPMD has no annotation for a value that each device holds a different addend of (an "unreduced"
+# value): a logical value is always whole, so XLA reduces a contraction over a sharded dimension
+# where it happens. ``PARTIAL_SUM`` spells such a value out: its input has one leading row per device
+# (sharded on that dimension, so each device holds its own row) and its value is the sum of the
+# rows. A sync keeps the rows as they are and the cell's value stays ``PARTIAL_SUM(data)``, which
+# counts as computed (``settled``); the sum, and with it the collective, happens only in the graph
+# that reads the value. FSDP's ``no_sync`` accumulates gradients this way (see xshard.core.partial).
+PARTIAL_SUM = "xshard.partial_sum"
+
+
+def _partial_sum(rows, sharding):
+    return jax.numpy.sum(jax.lax.with_sharding_constraint(rows, sharding), axis=0)
+
+
+RULES[PARTIAL_SUM] = _partial_sum
+
+
+def partial_sum(rows: ir.Node, sharding) -> ir.Node:
+    """The sum over the leading dimension of ``rows``, each row kept on its own device(s) under the
+    jax ``sharding`` until a graph reads the sum."""
+    return ir.Node(PARTIAL_SUM, (rows,), ((ir.Slot(0), sharding), ()), rows.shape[1:], rows.dtype)
+
+
+def settled(value: ir.Node) -> bool:
+    """Whether ``value`` needs no computation in a sync: device data, or a partial sum of it."""
+    return value.is_data or (value.op == PARTIAL_SUM and value.inputs[0].is_data)
+
+
+def _stored(value: ir.Node) -> ir.Node:
+    """The node a sync computes and stores for a cell holding ``value``."""
+    return value.inputs[0] if value.op == PARTIAL_SUM else value
+
+
 def constrain(value: ir.Node, annotation) -> ir.Node:
     """``value`` with a sharding constraint: how XLA must lay it out at this point."""
-    return ir.Node(CONSTRAIN, (value,), ((ir.Slot(0), annotation.jax_sharding), ()),
-                   value.shape, value.dtype)
+    return constrain_jax(value, annotation.jax_sharding)
+
+
+def constrain_jax(value: ir.Node, sharding) -> ir.Node:
+    return ir.Node(CONSTRAIN, (value,), ((ir.Slot(0), sharding), ()), value.shape, value.dtype)
 
 
 def _output(value: ir.Node, annotation) -> ir.Node:
@@ -473,9 +510,9 @@ class PendingStep:
 
     def __init__(self):
         live = list(LIVE_CELLS)
-        self.cells = sorted((c for c in live if not c.value.is_data
+        self.cells = sorted((c for c in live if not settled(c.value)
                              and not c.value.manual and c.error is None), key=_seq)
-        held = {id(c.value.payload) for c in live if c.value.is_data}
+        held = {id(_stored(c.value).payload) for c in live if settled(c.value)}
         # Values inside an open manual region stay pending and may read any input: donate nothing.
         open_region = any(c.value.manual for c in live)
         outputs, seen, self.owners = [], {}, []
@@ -483,7 +520,10 @@ class PendingStep:
             key = (id(c.value), c.sharding)
             if key not in seen:
                 seen[key] = len(outputs)
-                outputs.append(_output(c.value, c.sharding))
+                if c.value.op == PARTIAL_SUM:
+                    outputs.append(constrain_jax(c.value.inputs[0], c.value.template[0][1]))
+                else:
+                    outputs.append(_output(c.value, c.sharding))
             self.owners.append(seen[key])
         self.graph = Graph(outputs,
                            donate_ok=lambda array: not open_region and id(array) not in held)
@@ -511,9 +551,10 @@ def sync(wait: bool = False) -> None:
     results = exe.compiled(*graph.input_values())
     metrics.METRICS.record_execute(time.perf_counter() - start)
     for c, pos in zip(step.cells, step.owners):
-        node = c.value
+        node = _stored(c.value)
         array = _placed(results[pos])
-        c.write(ir.data_node(array, node.shape, node.dtype, array.sharding))
+        data = ir.data_node(array, node.shape, node.dtype, array.sharding)
+        c.write(partial_sum(data, c.value.template[0][1]) if node is not c.value else data)
     if wait:
         wait_all()
 
@@ -559,8 +600,8 @@ def evaluate(nodes) -> list:
 def wait_all() -> None:
     """Blocks until every dispatched computation has finished."""
     for c in list(LIVE_CELLS):
-        if c.value.is_data:
-            c.value.payload.block_until_ready()
+        if settled(c.value):
+            _stored(c.value).payload.block_until_ready()
 
 
 def clear_cache() -> None:

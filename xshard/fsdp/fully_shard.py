@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from xshard.core import graph
+from xshard.core import graph, partial
 from xshard.core import tensor as xt
 from xshard.core.barrier import optimization_barrier
 from xshard.core.tensor import XTensor
@@ -112,6 +112,7 @@ class FSDP:
         self._fsdp_sync_grads = True
         self._fsdp_release_queued = False
         self._fsdp_grads_queued = False
+        self._fsdp_batch = None
         _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
         units = select_units(self, auto_wrap_policy)
         owned: set = set()
@@ -143,15 +144,19 @@ class FSDP:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: within it, gradients are not constrained to the parameter
-        sharding; the sum over micro-steps is annotated (and reduce-scattered) once, by the first
-        backward outside it.
+        """Gradient accumulation without a collective per micro-step.
 
-        Known limit: XLA's SPMD partitioner still reduces each micro-step's weight gradient right
-        after the matmul that produces it (the gradient is a logical value there), so on XLA's CPU
-        backend a micro-step under ``no_sync`` costs the same collectives as one outside it
-        (measured: 4 micro-steps, 12 all-reduces either way). Removing them needs the partial sums
-        kept per device, which GSPMD annotations cannot express.
+        Inside it, each device keeps its own block of the batch's contribution to every gradient
+        (the gradient's full shape per device, as PyTorch FSDP's ``no_sync`` keeps); the first
+        backward outside it adds its own contribution and reduces the total to the parameter's
+        sharding once. Reading a gradient meanwhile (the optimizer, ``clip_grad_norm_``,
+        ``.cpu()``) reads the reduced sum. See [Note: no_sync as per-device rows].
+
+        Example:
+            >>> with model.no_sync():
+            ...     for x, y in micro_batches[:-1]:
+            ...         model(x, y).backward(); xshard.sync()
+            >>> model(*micro_batches[-1]).backward()   # reduces once
         """
         previous = self._fsdp_sync_grads
         self._fsdp_sync_grads = False
@@ -380,7 +385,8 @@ class _GatherForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         unit = ctx.unit
-        mp = unit.root._fsdp_mp
+        root = unit.root
+        mp = root._fsdp_mp
         out = []
         for i, g in enumerate(grads[:ctx.n_params]):
             if g is None:
@@ -388,16 +394,79 @@ class _GatherForward(torch.autograd.Function):
                 continue
             if mp is not None and mp.reduce_dtype is not None:
                 g = g.to(mp.reduce_dtype)
-            if unit.root._fsdp_sync_grads:
-                annotation = unit.params[i]._cell.sharding
-                g = spmd_api._constrained(g, annotation)
+            param = unit.params[i]
+            if not root._fsdp_sync_grads:
+                _accumulate_rows(root, param, g)
+                out.append(None)  # the gradient is in param.grad already, as per-device rows
+                continue
+            rows = _rows_of(param.grad)
+            if rows is not None:  # sum what no_sync accumulated with this step's, in one reduction
+                param.grad = None
+                g = _partial_grad(root, rows + _grad_rows(root, g, rows.dtype))
+            g = spmd_api._constrained(g, param._cell.sharding)
             out.append(g.to(ctx.param_dtypes[i]))
-        root = unit.root
         if root._fsdp_sync_grads and not root._fsdp_grads_queued:
             root._fsdp_grads_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(_annotate_grads, root))
         return (None, None, *out, *grads[ctx.n_params:])
+
+
+# [Note: no_sync as per-device rows]
+# Under no_sync a parameter's gradient is not reduced: each device keeps the part of it that its own
+# block of the batch contributes (see xshard.core.partial), and param.grad holds the rows as a
+# partial sum (one full-size gradient per device, as PyTorch FSDP's no_sync keeps). Later micro-steps
+# add their rows in place; the first backward outside no_sync adds its own rows and reduces the
+# total once, to the parameter's sharding. Anything else that reads the gradient meanwhile (the
+# optimizer, clip_grad_norm_, .cpu()) reads the reduced sum, so nothing is lost either way.
+def _rows_sharding(root: FSDP, ndim: int):
+    """One row per device: the leading dimension split over the data axes."""
+    spec = (root._fsdp_data_axes,) + (None,) * ndim
+    return sh.annotation(root._fsdp_mesh, spec, ndim + 1).jax_sharding
+
+
+def _batch_dims(root: FSDP) -> partial.BatchDims:
+    """Where the batch is in this backward's values (dropped when the backward ends)."""
+    if root._fsdp_batch is None:
+        axes = root._fsdp_data_axes
+        root._fsdp_batch = partial.BatchDims(axes, partial.device_count(root._fsdp_mesh, axes))
+
+        def drop():
+            root._fsdp_batch = None
+
+        torch.autograd.Variable._execution_engine.queue_callback(drop)
+    return root._fsdp_batch
+
+
+def _grad_rows(root: FSDP, g: XTensor, dtype: torch.dtype) -> XTensor:
+    rows = partial.per_device_rows(g._value(), _batch_dims(root), _rows_sharding(root, g.dim()))
+    rows = xt.new_base(rows)
+    return rows if rows.dtype == dtype else rows.to(dtype)
+
+
+def _partial_grad(root: FSDP, rows: XTensor) -> XTensor:
+    sharding = _rows_sharding(root, rows.dim() - 1)
+    return xt.new_base(graph.partial_sum(rows._value(), sharding))
+
+
+def _rows_of(grad) -> XTensor | None:
+    """The per-device rows of a gradient accumulated under no_sync, or None."""
+    if not isinstance(grad, XTensor) or grad._chain or grad._cell.value.op != graph.PARTIAL_SUM:
+        return None
+    return xt.new_base(grad._cell.value.inputs[0])
+
+
+def _accumulate_rows(root: FSDP, param: nn.Parameter, g: XTensor) -> None:
+    with torch.no_grad():
+        rows = _grad_rows(root, g, param.dtype)
+        grad = param.grad
+        held = _rows_of(grad)
+        if grad is None:
+            param.grad = _partial_grad(root, rows)
+        elif held is not None:
+            grad._cell.write(_partial_grad(root, held + rows)._cell.value)
+        else:  # a reduced gradient from an earlier backward: the rows are summed into it
+            grad.add_(_partial_grad(root, rows))
 
 
 def _annotate_grads(root: FSDP) -> None:
