@@ -15,7 +15,9 @@ chosen by the auto-wrap policy; the root is always one) gathers its parameters w
   barrier with the incoming gradient, so a peak holds about one unit's full parameters;
 - the gradient of a gathered value is constrained back to the parameter's sharding: XLA emits a
   reduce-scatter, and the gradient lives sharded like the parameter (and so does the optimizer
-  state, which torch.optim creates with ``zeros_like``).
+  state, which torch.optim creates with ``zeros_like``);
+- under ``no_sync`` the gradient is kept as per-device partial sums instead, reduced once by the
+  first backward outside it (see [Note: no_sync as per-device rows]).
 """
 
 from __future__ import annotations
@@ -472,9 +474,8 @@ def _accumulate_rows(root: FSDP, param: nn.Parameter, g: XTensor) -> None:
 def _annotate_grads(root: FSDP) -> None:
     """End of a backward outside ``no_sync``: every gradient is sharded like its parameter.
 
-    A gradient first made under ``no_sync`` has no annotation, and accumulating a reduced one into
-    it keeps it that way (replicated on every device); annotating it here makes the next sync
-    reduce-scatter the accumulated sum once.
+    A gradient still holding ``no_sync``'s per-device rows (its parameter got no gradient in this
+    backward) or one a tied use outside its unit accumulated into is reduced to that sharding here.
     """
     root._fsdp_grads_queued = False
     for p in root.parameters():
