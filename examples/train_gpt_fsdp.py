@@ -4,11 +4,15 @@ Each step prints the loss; at the end the example shows how a few parameters are
 memory each device holds: the live device buffers (parameters, gradients, optimizer state, all split
 over the 'fsdp' axis) and XLA's compiled memory statistics of one training step (arguments, outputs,
 temporaries). With ``--check`` it also trains the unwrapped model on eager CPU and compares losses.
+With ``--accumulate K`` each step accumulates gradients over K micro-batches, all but the last under
+``model.no_sync()`` (no gradient collective in those).
 
 Run:  python examples/train_gpt_fsdp.py --steps 10 --policy transformer
+      python examples/train_gpt_fsdp.py --accumulate 4 --check
 """
 
 import argparse
+import contextlib
 import copy
 import functools
 import os
@@ -44,9 +48,32 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8, help="global batch (split over devices)")
     parser.add_argument("--seq", type=int, default=32, help="sequence length")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K",
+                        help="micro-batches per step, all but the last under model.no_sync()")
     parser.add_argument("--check", action="store_true",
                         help="also train the unwrapped model on eager CPU and compare the losses")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.accumulate < 1 or args.batch % args.accumulate:
+        parser.error(f"--accumulate {args.accumulate} must be a positive divisor of --batch "
+                     f"{args.batch} (each micro-batch holds batch / K sequences).")
+    return args
+
+
+def train_step(model, opt, x, y, k: int, sync_each: bool):
+    """One optimizer step over ``k`` micro-batches of (x, y); returns the mean loss (a tensor)."""
+    total = 0.0
+    micro = list(zip(x.chunk(k), y.chunk(k)))
+    for i, (mx, my) in enumerate(micro):
+        quiet = i < k - 1 and isinstance(model, FSDP)
+        with model.no_sync() if quiet else contextlib.nullcontext():
+            loss = model(mx, my) / k
+            loss.backward()
+        total = total + loss.detach()
+        if sync_each and i < k - 1:
+            xshard.sync()  # one graph per micro-batch: a micro-batch's activations are freed
+    opt.step()
+    opt.zero_grad()
+    return total
 
 
 def main(argv=None) -> int:
@@ -80,18 +107,12 @@ def main(argv=None) -> int:
         batch = data[step % len(data)]
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         start = time.perf_counter()
-        loss = model(x.to(dev), y.to(dev))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = train_step(model, opt, x.to(dev), y.to(dev), args.accumulate, sync_each=True)
         xshard.sync()
         value = loss.item()
         line = f"step {step:3d}  loss {value:.4f}  {time.perf_counter() - start:6.2f} s"
         if args.check:
-            ref_loss = reference(x, y)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            ref_loss = train_step(reference, ref_opt, x, y, args.accumulate, sync_each=False)
             worst = max(worst, abs(value - ref_loss.item()))
             line += f"  (eager CPU {ref_loss.item():.4f})"
         console.print(line)
