@@ -115,6 +115,7 @@ class FSDP:
         self._fsdp_release_queued = False
         self._fsdp_grads_queued = False
         self._fsdp_batch = None
+        self._fsdp_rows_shardings: dict = {}
         _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
         units = select_units(self, auto_wrap_policy)
         owned: set = set()
@@ -423,8 +424,12 @@ class _GatherForward(torch.autograd.Function):
 # optimizer, clip_grad_norm_, .cpu()) reads the reduced sum, so nothing is lost either way.
 def _rows_sharding(root: FSDP, ndim: int):
     """One row per device: the leading dimension split over the data axes."""
-    spec = (root._fsdp_data_axes,) + (None,) * ndim
-    return sh.annotation(root._fsdp_mesh, spec, ndim + 1).jax_sharding
+    sharding = root._fsdp_rows_shardings.get(ndim)
+    if sharding is None:
+        spec = (root._fsdp_data_axes,) + (None,) * ndim
+        sharding = sh.annotation(root._fsdp_mesh, spec, ndim + 1).jax_sharding
+        root._fsdp_rows_shardings[ndim] = sharding
+    return sharding
 
 
 def _batch_dims(root: FSDP) -> partial.BatchDims:
