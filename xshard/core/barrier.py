@@ -8,6 +8,8 @@ stop XLA from reusing forward results instead of recomputing them.
 
 from __future__ import annotations
 
+import torch
+
 from xshard.core import graph, ir, runtime
 from xshard.core import tensor as xt
 from xshard.core.lowering import RULES
@@ -33,8 +35,11 @@ RULES[BARRIER] = _barrier_rule
 # devices, 8 units of 2 MiB each: 32 MiB of temporaries per device with both, 2 MiB without.
 # A graph with a barrier asks for program order to hold, so it is compiled with the memory-minimising
 # scheduler (the XLA_FLAGS equivalent: --xla_cpu_enable_concurrency_optimized_scheduler=false) and
-# without that combiner. The last CSE pass also runs after barriers are gone: activation
-# checkpointing defends against it itself (see xshard/fsdp/utils.py).
+# without that combiner. That scheduler keeps program order, which FSDP's gathers need, but it holds
+# more activations than the default one (a 6-block MLP's backward: 48 MiB of temporaries against
+# 28 MiB), so code that only needs one value computed after another uses ``ordered_after``. The
+# last CSE pass also runs after barriers are gone: activation checkpointing defends against it
+# itself (see xshard/fsdp/utils.py).
 def _barrier_compiler_options() -> dict:
     if runtime.platform() != "cpu":
         return {}
@@ -62,6 +67,28 @@ def optimization_barrier(tensors) -> list:
         return []
     node = _barrier_node(tensors)
     return [xt.new_base(ir.output_node(node, i)) for i in range(len(tensors))]
+
+
+_ZERO = 0.0
+
+
+def ordered_after(tensors, after) -> list:
+    """``tensors``, from which XLA computes nothing before every tensor of ``after`` exists.
+
+    Elsewhere one barrier holds both. XLA's CPU pipeline drops barriers before it schedules (see
+    above), and a graph with one gets the memory-optimised scheduler, so there the order is a data
+    dependency instead: each floating-point tensor gets ``0 * (one element of a value in after)``
+    added, the 0 a runtime input (Python scalars are graph inputs) that XLA cannot fold away. Adding
+    a zero leaves every value as it was (NaN and inf in the element are replaced first).
+    """
+    tensors, after = list(tensors), list(after)
+    if runtime.platform() != "cpu":
+        return optimization_barrier(tensors + after)[:len(tensors)]
+    source = next((t for t in after if t.numel()), None)
+    if source is None:
+        return tensors
+    zero = torch.nan_to_num(source.reshape(-1)[0].to(torch.float32), 0.0, 0.0, 0.0) * _ZERO
+    return [t + zero.to(t.dtype) if t.is_floating_point() else t for t in tensors]
 
 
 def optimization_barrier_(tensors) -> None:
