@@ -77,18 +77,26 @@ def ordered_after(tensors, after) -> list:
 
     Elsewhere one barrier holds both. XLA's CPU pipeline drops barriers before it schedules (see
     above), and a graph with one gets the memory-optimised scheduler, so there the order is a data
-    dependency instead: each floating-point tensor gets ``0 * (one element of a value in after)``
-    added, the 0 a runtime input (Python scalars are graph inputs) that XLA cannot fold away. Adding
-    a zero leaves every value as it was (NaN and inf in the element are replaced first).
+    dependency instead: each floating-point tensor gets ``0 * s`` added, where ``s`` is a tensor of
+    ``after`` of the same shape (elementwise: laid out alike, no communication), else one element
+    of one, and the 0 a runtime input (Python scalars are graph inputs) that XLA cannot fold away.
+    Adding a zero leaves every value as it was (NaN and inf in ``s`` are replaced first).
     """
     tensors, after = list(tensors), list(after)
     if runtime.platform() != "cpu":
         return optimization_barrier(tensors + after)[:len(tensors)]
-    source = next((t for t in after if t.numel()), None)
-    if source is None:
+    after = [a for a in after if a.numel() and a.is_floating_point()] or \
+        [a for a in after if a.numel()]
+    if not after:
         return tensors
-    zero = torch.nan_to_num(source.reshape(-1)[0].to(torch.float32), 0.0, 0.0, 0.0) * _ZERO
-    return [t + zero.to(t.dtype) if t.is_floating_point() else t for t in tensors]
+
+    def zero_like(t):
+        source = next((a for a in after if a.shape == t.shape), None)
+        if source is None:
+            source = after[0].reshape(-1)[0]
+        return torch.nan_to_num(source.to(t.dtype), 0.0, 0.0, 0.0) * _ZERO
+
+    return [t + zero_like(t) if t.is_floating_point() else t for t in tensors]
 
 
 def optimization_barrier_(tensors) -> None:

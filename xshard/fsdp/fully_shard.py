@@ -266,6 +266,7 @@ class _Unit:
         self.replicated = [sh.annotation(root._fsdp_mesh, (None,) * p.dim(), p.dim())
                            for p in params]
         if params:
+            module._xshard_fsdp_unit = self  # activation checkpointing recomputes through it
             module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
             module.register_forward_hook(self.post_forward)
             if module is not root:
@@ -280,17 +281,33 @@ class _Unit:
         if not self.params:
             return None
         self.state = TrainingState.FORWARD
+        args, kwargs = self.gather(args, kwargs)
+        self.gathered_cells = {m._parameters[name]._cell: i for m, name, i in self.slots}
+        self.backward_gathered = None
+        if self.root._fsdp_reshard and torch.is_grad_enabled():
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self._hooks.__enter__()
+        return args, kwargs
+
+    def gather(self, args, kwargs):
+        """Puts the gathered parameters in the unit's modules; returns the fenced (args, kwargs)."""
         inputs, rebuild = _tensors_of((args, kwargs))
         outs = _GatherForward.apply(self, len(self.params), *self.params, *inputs)
         gathered, inputs = outs[:len(self.params)], outs[len(self.params):]
         for m, name, i in self.slots:
             m._parameters[name] = gathered[i]
-        self.gathered_cells = {g._cell: i for i, g in enumerate(gathered)}
-        self.backward_gathered = None
-        if self.root._fsdp_reshard and torch.is_grad_enabled():
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-            self._hooks.__enter__()
         return rebuild(inputs)
+
+    def recompute(self, forward, args, kwargs):
+        """``forward`` run again by activation checkpointing in backward: the parameters are
+        gathered afresh (after the recomputation's inputs, so they are alive for this unit's
+        backward only) and its gradients take the unit's path (reduced, or kept under no_sync)."""
+        args, kwargs = self.gather(args, kwargs)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for m, name, i in self.slots:
+                m._parameters[name] = self.params[i]
 
     def post_forward(self, module, args, output):
         if not self.params:

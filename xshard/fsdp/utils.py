@@ -75,6 +75,9 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
                 fenced = iter(_Fence.apply(len(tensors), *tensors, *incoming))
                 incoming.clear()
                 args = tuple(next(fenced) if isinstance(a, XTensor) else a for a in args)
+            unit = getattr(module, "_xshard_fsdp_unit", None)
+            if unit is not None:  # an FSDP unit: its parameters are gathered for the recomputation
+                return unit.recompute(forward, args, kwargs)
         return forward(*args, **kwargs)
 
     @functools.wraps(forward)
