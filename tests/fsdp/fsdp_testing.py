@@ -48,8 +48,15 @@ def batches(n: int, seed: int = 1, distinct: int = 2):
     return [pool[i % distinct] for i in range(n)]
 
 
+# Adam divides by sqrt(v) + eps: with PyTorch's eps=1e-8, a gradient that is zero up to float32
+# summation-order noise (~1e-9, e.g. an exactly cancelling first-step entry) becomes a step of a
+# sizeable fraction of lr whose sign is that noise. eps=1e-6 keeps such a step below 1e-5 while every
+# real gradient here (~1e-3) still takes full-size Adam steps, so parameters compare tightly.
+ADAM_EPS = 1e-6
+
+
 def train_cpu(model: nn.Module, data, lr: float = 1e-2) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAM_EPS)
     losses = []
     for x, y in data:
         loss = model(x, y)
@@ -63,7 +70,7 @@ def train_cpu(model: nn.Module, data, lr: float = 1e-2) -> list[float]:
 def train_device(model: nn.Module, data, lr: float = 1e-2):
     """AdamW steps on the device; returns (losses, compile count after each step, optimizer)."""
     dev = xshard.device()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAM_EPS)
     losses, compiles = [], []
     for x, y in data:
         loss = model(x.to(dev), y.to(dev))

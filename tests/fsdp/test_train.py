@@ -32,12 +32,11 @@ def test_losses_and_parameters_match_cpu(trained):
     torch.testing.assert_close(torch.tensor(trained["losses"]),
                                torch.tensor(trained["cpu_losses"]), rtol=1e-4, atol=1e-5)
     assert trained["losses"][-1] < trained["losses"][0] - 0.3  # it trains
-    # Parameters: Adam divides by sqrt(v), so an entry whose gradient is ~0 (a saturated unit)
-    # turns float32 summation-order noise into steps of up to lr; 10 steps at lr=1e-2 leave such
-    # entries up to ~1e-3 apart while every loss agrees to 1e-5.
+    # Parameters after 10 steps at lr=1e-2 (measured: at most 7e-5 apart; see ADAM_EPS for why
+    # Adam's eps is raised).
     full = trained["model"].state_dict()
     for name, value in trained["reference"].state_dict().items():
-        torch.testing.assert_close(full[name], value, rtol=1e-3, atol=1e-3,
+        torch.testing.assert_close(full[name], value, rtol=1e-4, atol=2e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
