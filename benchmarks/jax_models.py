@@ -168,13 +168,27 @@ def cross_entropy(logits, targets, ignore_index: int = -100):
 # -- the models ------------------------------------------------------------------------------------
 
 
-def mlp_loss_fn(n_linear: int):
-    """Loss of the benchmark MLP: ``n_linear`` Linear layers named ``net.{2i}``, ReLU between."""
+def _constrainer(activation_sharding):
+    """``h -> h`` laid out as ``activation_sharding`` (a jax Sharding), or the identity for None.
+
+    JAX's FSDP idiom: with the activations pinned to the batch sharding, the partitioner can only
+    gather each layer's weights where the layer runs (FSDP); left free, it may instead keep the
+    weights where they are and move the activations.
+    """
+    if activation_sharding is None:
+        return lambda h: h
+    return lambda h: jax.lax.with_sharding_constraint(h, activation_sharding)
+
+
+def mlp_loss_fn(n_linear: int, activation_sharding=None):
+    """Loss of the benchmark MLP: ``n_linear`` Linear layers named ``net.{2i}``, ReLU between;
+    each layer's output constrained to ``activation_sharding`` when one is given."""
+    constrain = _constrainer(activation_sharding)
 
     def loss_fn(params, x, y):
         h = x
         for i in range(n_linear):
-            h = linear(params, f"net.{2 * i}", h)
+            h = constrain(linear(params, f"net.{2 * i}", h))
             if i < n_linear - 1:
                 h = jax.nn.relu(h)
         return cross_entropy(h, y)
@@ -197,23 +211,25 @@ def _attention(params: dict, prefix: str, x, n_head: int, bias: bool):
     return linear(params, f"{prefix}.proj", y, bias)
 
 
-def gpt_loss_fn(cfg, ignore_index: int = -100):
-    """Loss of ``xshard.models.GPT(cfg)``: ``(params, idx, targets) -> mean cross-entropy``."""
+def gpt_loss_fn(cfg, ignore_index: int = -100, activation_sharding=None):
+    """Loss of ``xshard.models.GPT(cfg)``: ``(params, idx, targets) -> mean cross-entropy``; the
+    residual stream constrained to ``activation_sharding`` at each block when one is given."""
     bias = cfg.bias
+    constrain = _constrainer(activation_sharding)
 
     def loss_fn(params, idx, targets):
         b, t = idx.shape
         wte = params["wte.weight"]
-        x = jnp.take(wte, idx, axis=0) + params["wpe.weight"][:t]
+        x = constrain(jnp.take(wte, idx, axis=0) + params["wpe.weight"][:t])
         for i in range(cfg.n_layer):
             p = f"blocks.{i}"
-            x = x + _attention(params, f"{p}.attn", layer_norm(params, f"{p}.ln_1", x, bias),
-                               cfg.n_head, bias)
+            x = constrain(x + _attention(params, f"{p}.attn",
+                                         layer_norm(params, f"{p}.ln_1", x, bias), cfg.n_head, bias))
             h = layer_norm(params, f"{p}.ln_2", x, bias)
             h = linear(params, f"{p}.mlp.proj", gelu(linear(params, f"{p}.mlp.fc", h, bias)), bias)
-            x = x + h
+            x = constrain(x + h)
         x = layer_norm(params, "ln_f", x, bias)
-        logits = jnp.matmul(x, wte.T)  # lm_head tied to wte
+        logits = constrain(jnp.matmul(x, wte.T))  # lm_head tied to wte
         return cross_entropy(logits.reshape(b * t, -1), targets.reshape(-1), ignore_index)
 
     return loss_fn
