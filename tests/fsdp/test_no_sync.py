@@ -144,5 +144,8 @@ def test_checkpointed_blocks_match_eager_and_accumulate_without_reducing(policy)
     model = FSDP(model, auto_wrap_policy=POLICIES[policy])
     inside, _, _ = accumulate(model, micro, no_sync_steps=2)
     if policy == "transformer":  # the unit is the checkpointed block: recomputed through it
-        assert inside == ["f32[]"], inside
+        # Besides the loss, only one-element reads that order the gathers on CPU ([Note: FSDP
+        # gathers ordered by data]): no gradient is reduced.
+        assert "f32[]" in inside and all(re.fullmatch(r"\w+\[1?\](\{0\})?", r) for r in inside), \
+            inside
     assert_grads_match(model, reference_grads(micro))

@@ -16,13 +16,17 @@ from xshard.core.lowering import RULES
 from xshard.core.tensor import XTensor
 
 BARRIER = "xshard.optimization_barrier"
+# The same barrier for users that order their computation by data dependencies themselves
+# (``ordered_after``): it stops CSE but asks for no program order (see the note below).
+CSE_BARRIER = "xshard.cse_barrier"
+BARRIERS = (BARRIER, CSE_BARRIER)
 
 
 def _barrier_rule(*values):
     return tuple(runtime.jax_module().lax.optimization_barrier(tuple(values)))
 
 
-RULES[BARRIER] = _barrier_rule
+RULES[BARRIER] = RULES[CSE_BARRIER] = _barrier_rule
 
 
 # [Note: barriers on the CPU backend]
@@ -40,6 +44,10 @@ RULES[BARRIER] = _barrier_rule
 # 28 MiB), so code that only needs one value computed after another uses ``ordered_after``. The
 # last CSE pass also runs after barriers are gone: activation checkpointing defends against it
 # itself (see xshard/fsdp/utils.py).
+# Code that carries its order in data dependencies (``ordered_after``) and needs a barrier only
+# against CSE uses ``program_order=False``: such a graph keeps the default scheduler, which frees
+# recomputed activations far better (FSDP with activation checkpointing, see
+# [Note: FSDP gathers ordered by data]), and only loses the combiner.
 def _barrier_compiler_options() -> dict:
     if runtime.platform() != "cpu":
         return {}
@@ -47,25 +55,37 @@ def _barrier_compiler_options() -> dict:
             "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
 
 
+def _cse_barrier_compiler_options() -> dict:
+    if runtime.platform() != "cpu":
+        return {}
+    return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
 graph.OP_COMPILER_OPTIONS[BARRIER] = _barrier_compiler_options
+graph.OP_COMPILER_OPTIONS[CSE_BARRIER] = _cse_barrier_compiler_options
 
 
-def _barrier_node(tensors) -> ir.Node:
+def _barrier_node(tensors, op: str = BARRIER) -> ir.Node:
     for t in tensors:
         if not isinstance(t, XTensor):
             raise TypeError(f"optimization_barrier takes xshard tensors, got {type(t).__name__} "
                             f"on {getattr(t, 'device', None)}")
     values = tuple(t._value() for t in tensors)
     slots = tuple(ir.Slot(i) for i in range(len(values)))
-    return ir.Node(BARRIER, values, (slots, ()), outputs=tuple((v.shape, v.dtype) for v in values))
+    return ir.Node(op, values, (slots, ()), outputs=tuple((v.shape, v.dtype) for v in values))
 
 
-def optimization_barrier(tensors) -> list:
-    """New tensors with the values of ``tensors``, behind one barrier (no autograd history)."""
+def optimization_barrier(tensors, *, program_order: bool = True) -> list:
+    """New tensors with the values of ``tensors``, behind one barrier (no autograd history).
+
+    ``program_order=False``: the caller orders the computation by data (``ordered_after``) and
+    needs the barrier only to keep XLA from merging computation across it; on XLA's CPU backend
+    the graph then keeps its default scheduler (see [Note: barriers on the CPU backend]).
+    """
     tensors = list(tensors)
     if not tensors:
         return []
-    node = _barrier_node(tensors)
+    node = _barrier_node(tensors, BARRIER if program_order else CSE_BARRIER)
     return [xt.new_base(ir.output_node(node, i)) for i in range(len(tensors))]
 
 
@@ -89,14 +109,23 @@ def ordered_after(tensors, after) -> list:
         [a for a in after if a.numel()]
     if not after:
         return tensors
+    # One element, read once per dtype: when ``after`` is sharded, reading it is a (scalar)
+    # collective.
+    element_zeros: dict = {}
 
     def zero_like(t):
         source = next((a for a in after if a.shape == t.shape), None)
         if source is None:
-            source = after[0].reshape(-1)[0]
-        return torch.nan_to_num(source.to(t.dtype), 0.0, 0.0, 0.0) * _ZERO
+            if t.dtype not in element_zeros:
+                element_zeros[t.dtype] = _zero_of(after[0].reshape(-1)[0], t.dtype)
+            return element_zeros[t.dtype]
+        return _zero_of(source, t.dtype)
 
     return [t + zero_like(t) if t.is_floating_point() else t for t in tensors]
+
+
+def _zero_of(source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.nan_to_num(source.to(dtype), 0.0, 0.0, 0.0) * _ZERO
 
 
 def optimization_barrier_(tensors) -> None:

@@ -24,6 +24,7 @@ import math
 import torch
 
 from xshard.core import graph, ir, runtime
+from xshard.core.barrier import BARRIERS
 from xshard.core.lowering import RULES
 
 jax = runtime.jax_module()
@@ -281,7 +282,7 @@ class BatchDims:
             return self._from_sharding(node.template[0][1], len(node.shape))
         if op is ir.OUTPUT:
             multi = node.inputs[0]
-            if multi.op == _BARRIER:
+            if multi.op in BARRIERS:
                 return self._of(multi.inputs[node.template])
             return self._leading(multi.inputs, node.shape)
         x = node.inputs[0] if node.inputs else None
@@ -335,13 +336,12 @@ class BatchDims:
         return None
 
 
-_BARRIER = "xshard.optimization_barrier"
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
           aten._reshape_alias.default}
 
 
 def _sources(node):
-    if node.op is ir.OUTPUT and node.inputs[0].op == _BARRIER:
+    if node.op is ir.OUTPUT and node.inputs[0].op in BARRIERS:
         return (node.inputs[0].inputs[node.template],)
     if node.op is ir.OUTPUT:
         return node.inputs[0].inputs

@@ -93,4 +93,5 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
         return out
 
     module.forward = checkpointed
+    module._xshard_checkpointed = True  # see [Note: FSDP gathers ordered by data]
     return module
