@@ -141,3 +141,17 @@ def test_mixed_precision_is_frozen():
 def test_mixed_precision_must_be_the_dataclass():
     with pytest.raises(TypeError, match="MixedPrecision"):
         FSDP(nn.Linear(4, 4), mixed_precision={"param_dtype": torch.bfloat16})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(reshard_after_forward="yes"), "reshard_after_forward must be True or False, got 'yes'"),
+    (dict(shard_output="batch"), "shard_output must be a callable"),
+    (dict(auto_wrap_policy="size"), "auto_wrap_policy must be a callable or None"),
+    (dict(mesh=mesh(8, ("data",))), "must have an axis named 'fsdp'"),
+])
+def test_bad_arguments_raise_and_leave_the_module_as_given(kwargs, match):
+    module = nn.Linear(4, 4)
+    with pytest.raises((TypeError, ValueError), match=match):
+        FSDP(module, **kwargs)
+    assert type(module) is nn.Linear and module.weight.device.type == "cpu"
+    assert isinstance(FSDP(module), FSDP)  # and it can still be wrapped

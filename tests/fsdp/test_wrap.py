@@ -66,6 +66,26 @@ def test_transformer_policy_several_classes():
                                                      "<root>"]
 
 
+def test_transformer_policy_takes_one_class_or_refuses_non_classes():
+    net = Net()
+    one = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=Block)
+    assert names(net, select_units(net, one)) == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
+    bad = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={"Block"})
+    with pytest.raises(TypeError, match="transformer_layer_cls must hold module classes, got "
+                                        "'Block'"):
+        select_units(net, bad)
+
+
+@pytest.mark.parametrize("policy, match", [
+    ("size", "auto_wrap_policy must be a callable or None, got 'size'"),
+    (lambda m: True, "cannot be called as policy\\(module=..., recurse=..., nonwrapped_numel"),
+    (functools.partial(size_based_auto_wrap_policy, min_params=10), "cannot be called as"),
+])
+def test_policies_that_cannot_be_called_are_refused(policy, match):
+    with pytest.raises(TypeError, match=match):
+        select_units(Net(), policy)
+
+
 def test_lambda_policy():
     net = Net()
     policy = functools.partial(lambda_auto_wrap_policy,

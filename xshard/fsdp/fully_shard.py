@@ -96,14 +96,15 @@ class FSDP:
                  reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
                  shard_output=None, extra_data_axis: str | None = None,
                  shard_param_on_dim_0: bool = False, shard_input: bool = True):
-        mesh = _resolve_mesh(mesh)
-        if extra_data_axis is not None and (mesh.axis_names is None
-                                            or extra_data_axis not in mesh.axis_names):
-            raise ValueError(
-                f"extra_data_axis={extra_data_axis!r} is not an axis of the mesh; its axes are "
-                f"{mesh.axis_names}. Pass one of them, or None for no extra data axis.")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError("mixed_precision must be an xshard.fsdp.MixedPrecision.")
+        try:
+            mesh = _resolve_mesh(mesh)
+            _check_options(mesh, extra_data_axis, mixed_precision, shard_output,
+                           reshard_after_forward=reshard_after_forward,
+                           shard_param_on_dim_0=shard_param_on_dim_0, shard_input=shard_input)
+            units = select_units(self, auto_wrap_policy)
+        except BaseException:
+            self.__class__ = type(self).__bases__[1]  # bad arguments leave the module as given
+            raise
         self._fsdp_mesh = mesh
         self._fsdp_data_axes = (FSDP_AXIS,) if extra_data_axis is None else (
             extra_data_axis, FSDP_AXIS)
@@ -118,7 +119,6 @@ class FSDP:
         self._fsdp_rows_shardings: dict = {}
         self._fsdp_order_by_data = False
         _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
-        units = select_units(self, auto_wrap_policy)
         owned: set = set()
         self._fsdp_units = []
         for module_ in units:
@@ -202,6 +202,24 @@ def _resolve_mesh(mesh: Mesh | None) -> Mesh:
             f"The mesh must have an axis named 'fsdp'; its axes are {mesh.axis_names}. Build it "
             f"with axis_names including 'fsdp', e.g. Mesh(ids, (8,), ('fsdp',)).")
     return mesh
+
+
+def _check_options(mesh: Mesh, extra_data_axis, mixed_precision, shard_output, **flags) -> None:
+    if extra_data_axis is not None and (mesh.axis_names is None
+                                        or extra_data_axis not in mesh.axis_names):
+        raise ValueError(
+            f"extra_data_axis={extra_data_axis!r} is not an axis of the mesh; its axes are "
+            f"{mesh.axis_names}. Pass one of them, or None for no extra data axis.")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"mixed_precision must be an xshard.fsdp.MixedPrecision, got "
+                        f"{mixed_precision!r}.")
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}.")
+    if shard_output is not None and not callable(shard_output):
+        raise TypeError(
+            f"shard_output must be a callable (output, mesh) -> output, or None to shard a "
+            f"tensor output's batch dimension over the data axes; got {shard_output!r}.")
 
 
 def param_annotation(p: torch.Tensor, mesh: Mesh, on_dim_0: bool) -> sh.Annotation:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable
 
 import torch.nn as nn
@@ -32,10 +33,22 @@ def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: 
 
 def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                                  transformer_layer_cls: Iterable[type]) -> bool:
-    """A unit for each instance of the given layer classes (e.g. a transformer block)."""
+    """A unit for each instance of the given layer classes (e.g. a transformer block); one class
+    is accepted as well as a set of them."""
     if recurse:
         return True
-    return isinstance(module, tuple(transformer_layer_cls))
+    return isinstance(module, _layer_classes(transformer_layer_cls))
+
+
+def _layer_classes(transformer_layer_cls) -> tuple:
+    classes = ((transformer_layer_cls,) if isinstance(transformer_layer_cls, type)
+               else tuple(transformer_layer_cls))
+    for c in classes:
+        if not isinstance(c, type):
+            raise TypeError(
+                f"transformer_layer_cls must hold module classes, got {c!r} in "
+                f"{transformer_layer_cls!r}; pass e.g. transformer_layer_cls={{Block}}.")
+    return classes
 
 
 def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
@@ -68,8 +81,26 @@ def _numel(module: nn.Module, seen: set) -> int:
     return total
 
 
+def _check_policy(policy) -> None:
+    if policy is None:
+        return
+    if not callable(policy):
+        raise TypeError(
+            f"auto_wrap_policy must be a callable or None, got {policy!r}; pass e.g. "
+            f"functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{Block}}) or "
+            f"functools.partial(size_based_auto_wrap_policy, min_num_params=int(1e7)).")
+    try:
+        inspect.signature(policy).bind(module=None, recurse=True, nonwrapped_numel=0)
+    except (TypeError, ValueError) as e:  # ValueError: a partial binding an unknown argument
+        raise TypeError(
+            f"auto_wrap_policy {policy!r} cannot be called as policy(module=..., recurse=..., "
+            f"nonwrapped_numel=...) ({e}); write it with that signature, or bind its own "
+            f"arguments with functools.partial.") from None
+
+
 def select_units(root: nn.Module, policy) -> list[nn.Module]:
     """The modules that become units, innermost first; the root is always the last one."""
+    _check_policy(policy)
     units: list[nn.Module] = []
     claimed: set = set()  # ids of parameters owned by a unit already
 
