@@ -309,7 +309,8 @@ class JaxRunner:
                          jax.device_put(y.numpy(), batch_sharding)) for x, y in case.batches]
         shard = (batch_sharding, batch_sharding) if args.shard_batch or args.fsdp else None
         loss = case.jax_loss(activation_sharding=batch_sharding if constrain_activations else None)
-        self.fn = jm.make_train_step(loss, jm.AdamW(lr=args.lr), shard)
+        self.opt = jm.AdamW(lr=args.lr)
+        self.fn = jm.make_train_step(loss, self.opt, shard)
         self.next = 0
         self.timing = Timing()
         self._loss_arrays = []
@@ -324,9 +325,9 @@ class JaxRunner:
         for _ in range(n):
             self.step()
         jax.block_until_ready((self.params, self.state))
-        x, y = self.batches[0]
+        x, y = self.batches[0]  # the executable the steps ran (JAX caches it)
         compiled = self.fn.jitted.lower(self.params, self.state, x, y,
-                                        *jm.host_scalars(jm.AdamW(), 1)).compile()
+                                        *jm.host_scalars(self.opt, 1)).compile()
         self.timing.temp_bytes = compiled.memory_analysis().temp_size_in_bytes
 
     def timed(self, n):
