@@ -1,0 +1,125 @@
+"""What core offers the layers above it (spmd, fsdp, memory, checkpoint, compile, compat).
+
+Code outside ``xshard.core`` reads and writes xshard tensors through these functions, never through
+a tensor's private attributes, so the core can change its insides without breaking the others.
+
+Terms (see [Note: cells and views] in ``xshard.core.tensor``):
+
+- a tensor's **value** is an IR node (``xshard.core.ir.Node``): device data, or pending work;
+- its **storage** is shared by a base tensor and all views of it; it carries the **annotation** (a
+  sharding, opaque to core: an object with ``jax_sharding`` and ``padded_shape(shape)``);
+- a value is **settled** when a sync need not compute it (device data, or a partial sum of it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xshard.core import graph, ir
+from xshard.core import tensor as _tensor
+from xshard.core.tensor import XTensor
+
+__all__ = ["XTensor", "is_device_tensor", "value", "write", "is_view", "storage", "annotation",
+           "set_annotation", "new_tensor", "settled", "array", "sync", "evaluate", "to_cpu",
+           "upload", "data_node", "constrain", "default_sharding"]
+
+
+def is_device_tensor(x) -> bool:
+    """Whether ``x`` is a tensor on the xshard device."""
+    return isinstance(x, XTensor)
+
+
+def value(t: XTensor) -> ir.Node:
+    """The IR node of ``t``'s current value (through its views)."""
+    return t._value()
+
+
+def write(t: XTensor, node: ir.Node) -> None:
+    """Writes ``node`` (same shape and dtype as ``t``) into ``t``, seen by its base and views."""
+    t._assign(node)
+
+
+def is_view(t: XTensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage."""
+    return bool(t._chain)
+
+
+def storage(t: XTensor):
+    """The storage ``t`` shares with its base and views (an identity: compare with ``is``)."""
+    return t._cell
+
+
+def annotation(t: XTensor):
+    """The sharding annotation of ``t``'s storage, or None."""
+    return t._cell.sharding
+
+
+def set_annotation(t: XTensor, annotation) -> None:
+    """Sets the annotation of ``t``'s storage; every later result of a sync for it is laid out so.
+
+    This records the annotation only: moving existing data is the caller's business.
+    """
+    t._cell.sharding = annotation
+
+
+def new_tensor(node: ir.Node, annotation=None, requires_grad: bool = False) -> XTensor:
+    """A fresh base tensor holding ``node``, with its own storage (annotated if given)."""
+    return _tensor.new_base(node, requires_grad=requires_grad, sharding=annotation)
+
+
+def settled(t: XTensor) -> bool:
+    """Whether ``t``'s storage needs no computation in a sync."""
+    return graph.settled(t._cell.value)
+
+
+def array(t: XTensor):
+    """The ``jax.Array`` holding a base tensor's value, running pending work first.
+
+    The array may be padded at the end of each dimension (an uneven sharding); ``t.shape`` is the
+    logical shape.
+    """
+    if t._chain:
+        raise ValueError("array() reads a base tensor's storage; this tensor is a view. Read "
+                         "t.clone(), or the base tensor.")
+    if not graph.settled(t._cell.value):
+        graph.sync()
+    node = t._cell.value
+    if node.op == graph.PARTIAL_SUM:
+        raise ValueError("this tensor holds per-device partial sums (FSDP no_sync); read it after "
+                         "the step that reduces them.")
+    return node.payload
+
+
+def sync(wait: bool = False) -> None:
+    graph.sync(wait=wait)
+
+
+def evaluate(nodes) -> list:
+    """Computes ``nodes`` (a list of IR nodes) without binding the results to any tensor."""
+    return graph.evaluate(nodes)
+
+
+def to_cpu(t: XTensor) -> torch.Tensor:
+    """``t``'s value as a CPU tensor (runs pending work first)."""
+    return graph.to_cpu(t)
+
+
+def upload(cpu: torch.Tensor, jax_sharding=None) -> ir.Node:
+    """A data node holding a copy of CPU tensor ``cpu`` laid out by ``jax_sharding`` (default:
+    replicated on every device)."""
+    return graph.upload_node(cpu, jax_sharding)
+
+
+def data_node(array, shape, dtype) -> ir.Node:
+    """A data node over ``jax.Array`` ``array``; ``shape`` is the logical (unpadded) shape."""
+    return ir.data_node(array, tuple(shape), dtype, getattr(array, "sharding", None))
+
+
+def constrain(node: ir.Node, annotation) -> ir.Node:
+    """``node`` constrained to be laid out as ``annotation`` says at this point of the graph."""
+    return graph.constrain(node, annotation)
+
+
+def default_sharding():
+    """The jax sharding of unannotated data: replicated over every device."""
+    return graph.default_sharding()
