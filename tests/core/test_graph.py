@@ -276,3 +276,23 @@ def test_failed_graph_does_not_block_later_syncs(monkeypatch):
     with pytest.raises(graph.LoweringError, match="boom"):
         bad.cpu()
     del bad
+
+
+def test_graphs_differing_in_one_static_argument_do_not_share_an_executable():
+    # hash(-1) == hash(-2) in CPython, and 1 == 1.0 == True: keys compare static arguments exactly.
+    dev = xshard.device()
+    x = torch.arange(12.).reshape(4, 3).to(dev)
+    assert x[-1].cpu().tolist() == [9., 10., 11.]
+    assert x[-2].cpu().tolist() == [6., 7., 8.]
+    a = torch.randn(3, 3)
+    d = a.to(dev)
+    cases = [lambda t: t.softmax(-1), lambda t: t.softmax(-2), lambda t: t.pow(-1),
+             lambda t: t.pow(-2), lambda t: torch.full_like(t, -1.), lambda t: torch.full_like(t, -2.),
+             lambda t: torch.full_like(t, 0.), lambda t: torch.full_like(t, -0.),
+             lambda t: t.cumsum(-1), lambda t: t.cumsum(-2), lambda t: t.roll(1, -1),
+             lambda t: t.roll(1, -2), lambda t: t.tril(-1), lambda t: t.tril(-2),
+             lambda t: t.sum([0, 1]), lambda t: t.sum([0], True), lambda t: t * 1, lambda t: t * True,
+             lambda t: t * 1.0]
+    for fn in cases:
+        torch.testing.assert_close(fn(d).cpu(), fn(a), atol=1e-6, rtol=1e-6)
+        assert torch.equal(torch.signbit(fn(d).cpu()), torch.signbit(fn(a)))

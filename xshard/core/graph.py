@@ -6,9 +6,9 @@ program here) and dispatches it. JAX's dispatch is asynchronous, so ``sync()`` r
 work is queued; the tensors then hold ``jax.Array`` results still in flight, and reading one waits.
 
 [Note: the graph key]
-A graph is linearised in post-order. Each node contributes its structural ``local_hash`` (op, static
-arguments, shape, dtype) and the positions of its inputs; device data contributes its aval and sharding;
-Python scalars their type. Together with the output positions and the donation mask this is the key of
+A graph is linearised in post-order. Each node contributes its exact ``key`` (op, static arguments,
+shape, dtype: see [Note: exact keys] in xshard.core.ir) and the positions of its inputs; device data
+contributes its aval and sharding; Python scalars their type. Together with the output positions and the donation mask this is the key of
 the executable cache: a step that differs only in data or in scalar values reuses the executable.
 """
 
@@ -163,9 +163,9 @@ class Graph:
             children.append(kids)
             if node.op is ir.DATA or node.op is ir.SCALAR or leaf:
                 inputs.append(node)
-                entries.append((node.local_hash, len(inputs) - 1))
+                entries.append((node.key, len(inputs) - 1))
             else:
-                entries.append((node.local_hash, kids))
+                entries.append((node.key, kids))
         self.order = order
         self.children = children
         self.inputs = inputs

@@ -13,9 +13,18 @@ A ``Node`` is one value of a lazy graph. Its ``op`` says how it is computed:
 ``manual`` marks values inside a manual-sharding region (per-device shards, see xshard.spmd).
 
 ``shape``/``dtype`` describe the value (for a multi-output node, ``outputs`` lists one ``(shape, dtype)``
-per output instead). ``hash`` is structural: it covers the op, the static arguments and, recursively,
-the inputs' hashes, but not the identity of device data, so equal programs over different data hash
-equal. It is computed once, at construction.
+per output instead). ``key`` is the node's own part of a graph's cache key (see [Note: exact keys]),
+computed once, at construction.
+
+[Note: exact keys]
+Two graphs may share an executable only if they are the same program. A node's ``key`` is a small
+integer naming its op, static arguments, shape and dtype (its inputs are positions in the graph, see
+xshard.core.graph), interned from a type-tagged form of those: ``hash()`` alone cannot serve (in
+CPython ``hash(-1) == hash(-2)``), nor can plain equality (``1 == 1.0 == True``, ``-0.0 == 0.0``,
+``nan != nan``). So every static scalar is compared with its type, floats by their exact bits
+(``float.hex``), lists apart from tuples; other static values (dtypes, strings, slots, shardings)
+compare by their own ``==`` together with their type. Data contributes shape, dtype and sharding;
+a Python scalar input its type.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ class Slot:
 
 class Node:
     __slots__ = ("op", "inputs", "template", "shape", "dtype", "outputs", "payload", "sharding",
-                 "local_hash", "hash", "manual")
+                 "key", "manual")
 
     def __init__(self, op, inputs=(), template=None, shape=None, dtype=None, outputs=None,
                  payload=None, sharding=None):
@@ -64,13 +73,15 @@ class Node:
         # an opaque object with a ``jax_sharding`` attribute and a ``key`` (see spmd).
         self.sharding = sharding
         if op is DATA:
-            local = ("data", shape, dtype, sharding)
+            local = (DATA, shape, dtype, sharding)
         elif op is SCALAR:
-            local = ("scalar", type(payload))
+            local = (SCALAR, type(payload))
         else:
-            local = (op, template, shape, dtype, getattr(sharding, "key", None))
-        self.local_hash = hash(local)
-        self.hash = hash((self.local_hash, tuple(i.hash for i in inputs)))
+            local = (op, exact(template), shape, dtype, exact(outputs))
+        key = _KEYS.get(local)
+        if key is None:
+            key = _KEYS[local] = len(_KEYS)
+        self.key = key
         # Inside a manual-sharding region (per-device values): such a value can only leave the
         # region through its closing op, never become a graph output on its own.
         self.manual = op in MANUAL_ENTRY or (op not in MANUAL_EXIT and any(
@@ -86,6 +97,28 @@ class Node:
         if self.op is SCALAR:
             return f"Scalar({self.payload!r})"
         return f"Node({self.op}, {len(self.inputs)} inputs)"
+
+
+# Interned node keys: type-tagged static part -> small int (see [Note: exact keys]).
+_KEYS: dict = {}
+
+
+def exact(x):
+    """``x`` in a form whose ``==`` holds only between values of the same type and bits."""
+    t = type(x)
+    if t is tuple:
+        return tuple([exact(v) for v in x])
+    if t is Slot or x is None or t is str:
+        return x
+    if t is float:
+        return (float, x.hex())
+    if t is list:
+        return (list, tuple([exact(v) for v in x]))
+    if isinstance(x, float):  # numpy floats
+        return (t, float(x).hex())
+    if isinstance(x, complex):
+        return (t, x.real.hex(), x.imag.hex())
+    return (t, x)
 
 
 def data_node(array, shape, dtype, sharding=None) -> Node:
