@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from xshard.core import api, compiler, execute, runtime
-from xshard.core.cells import LIVE_CELLS
+from xshard.core.cells import live_cells
 from xshard.core.dtypes import to_numpy_dtype
 
 __all__ = ["StepMemory", "StepMeasurement", "analyze_step", "abstract_sync", "live_bytes_per_device",
@@ -276,7 +276,7 @@ def live_bytes_per_device() -> dict[int, int]:
     jax = runtime.jax_module()
     totals: dict[int, int] = {d.id: 0 for d in runtime.devices()}
     seen = set()
-    for cell in list(LIVE_CELLS):
+    for cell in live_cells():
         node = cell.value
         if not node.is_data or not isinstance(node.payload, jax.Array):
             continue

@@ -50,7 +50,7 @@ def _hold(value: ir.Node, n: int) -> None:
 class Cell:
     """The storage of a base tensor: its current value and a write counter."""
 
-    __slots__ = ("value", "version", "sharding", "seq", "error", "source", "__weakref__")
+    __slots__ = ("value", "version", "sharding", "seq", "error", "source", "ref", "__weakref__")
 
     def __init__(self, value: ir.Node, sharding=None):
         self.value = value
@@ -67,47 +67,61 @@ class Cell:
         # reads for it (xshard.memory attributes graph inputs to parameters and optimizer state
         # by it). None while the value is data, or pending from the start.
         self.source = None
-        LIVE_CELLS.add(self)
+        # How the registries below refer to the cell without keeping it alive.
+        self.ref = weakref.ref(self)
+        _LIVE[id(self)] = self.ref
         if settled(value):
             _hold(value, 1)
         else:
-            PENDING.add(self)
+            _PENDING[id(self)] = self.ref
 
     def write(self, value: ir.Node) -> None:
         old = self.value
-        if settled(old):
+        was_settled = settled(old)
+        if was_settled:
             _hold(old, -1)
-            if not settled(value):
-                PENDING.add(self)
-        elif settled(value):
-            PENDING.discard(self)
         if settled(value):
             _hold(value, 1)
             self.source = None
-        elif old.op is ir.DATA:
-            self.source = old
+            if not was_settled:
+                _PENDING.pop(id(self), None)
+        else:
+            if was_settled:
+                _PENDING[id(self)] = self.ref
+                if old.op is ir.DATA:
+                    self.source = old
         self.value = value
         self.version += 1
         self.error = None
 
     def __del__(self):
         try:
+            _LIVE.pop(id(self), None)
+            _PENDING.pop(id(self), None)
             if settled(self.value):
                 _hold(self.value, -1)
-        except AttributeError:  # interpreter shutdown
+        except (AttributeError, TypeError):  # interpreter shutdown
             pass
 
 
 _CELL_SEQ = itertools.count()
-# Every cell some tensor still references (waits and memory figures walk them).
-LIVE_CELLS: "weakref.WeakSet[Cell]" = weakref.WeakSet()
-# The live cells whose value is pending (see [Note: pending cells and held data]).
-PENDING: "weakref.WeakSet[Cell]" = weakref.WeakSet()
+# id -> weak reference, of every cell some tensor still references (waits and memory figures walk
+# them), and of those whose value is pending (see [Note: pending cells and held data]). A cell
+# removes itself when it dies.
+_LIVE: dict = {}
+_PENDING: dict = {}
+
+
+def live_cells() -> list:
+    """Every live cell."""
+    return [c for c in (r() for r in list(_LIVE.values())) if c is not None]
 
 
 def pending_cells() -> list:
     """The pending cells, in creation order."""
-    return sorted(PENDING, key=_seq)
+    cells = [c for c in (r() for r in list(_PENDING.values())) if c is not None]
+    cells.sort(key=_seq)
+    return cells
 
 
 def _seq(cell: Cell) -> int:
@@ -197,6 +211,7 @@ class LazyTensor(torch.Tensor):
     _chain: tuple
     _cache: ir.Node | None
     _cache_version: int
+    _meta: tuple  # (shape, stride, dtype) as tuples: what the recorder keys a call on
 
     def _value(self) -> ir.Node:
         """The IR node of this tensor's current value."""

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from xshard.core import compiler, ir, metrics, runtime
-from xshard.core.cells import LIVE_CELLS, pending_cells, settled, stored
+from xshard.core.cells import live_cells, pending_cells, settled, stored
 from xshard.core.compiler import input_values
 from xshard.core.dtypes import numpy_to_torch, to_numpy_dtype, torch_to_numpy
 from xshard.core.graph import Graph
@@ -291,7 +291,7 @@ def evaluate(nodes) -> list:
 
 def wait_all() -> None:
     """Blocks until every dispatched computation has finished."""
-    for c in list(LIVE_CELLS):
+    for c in live_cells():
         if settled(c.value):
             payload = stored(c.value).payload
             if isinstance(payload, jax.Array):

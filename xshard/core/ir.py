@@ -254,8 +254,13 @@ def scalar_node(value, dtype=None) -> Node:
 
 def output_node(multi: Node, index: int) -> Node:
     shape, dtype = multi.outputs[index]
-    return Node(OUTPUT, (multi,), index, shape, dtype,
-                key=intern_key((OUTPUT, index, shape, dtype)))
+    key = _OUTPUT_KEYS.get((multi.key, index))
+    if key is None:  # a multi-output node's key determines its outputs' shapes and dtypes
+        key = _OUTPUT_KEYS[(multi.key, index)] = intern_key((OUTPUT, index, shape, dtype))
+    return Node(OUTPUT, (multi,), index, shape, dtype, key=key)
+
+
+_OUTPUT_KEYS: dict = {}
 
 
 def constrain(value: Node, jax_sharding) -> Node:

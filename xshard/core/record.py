@@ -50,17 +50,23 @@ class Frozen:
         self.index_args = index_args
 
     def tensor(self, t):
+        inputs = self.inputs
         if isinstance(t, LazyTensor):
-            self.inputs.append(t._value() if self.nodes else None)
-            self.key.append((t.shape, t.stride(), t.dtype))
+            if not self.nodes:
+                inputs.append(None)
+            elif t._chain:
+                inputs.append(t._value())
+            else:
+                inputs.append(t._cell.value)
+            self.key.append(t._meta)
         elif t.device.type == "cpu" and t.dim() == 0:
             # A 0-dim CPU tensor, allowed with device tensors as on CUDA: a strongly typed scalar
             # input (its value read now, as eager reads it at the call), not an upload.
-            self.inputs.append(ir.scalar_node(t.item(), t.dtype) if self.nodes else None)
+            inputs.append(ir.scalar_node(t.item(), t.dtype) if self.nodes else None)
             self.key.append(("cpu0", t.dtype))
         elif self.index_args and t.device.type == "cpu":
             # An index tensor on the CPU, allowed as on CUDA: uploaded.
-            self.inputs.append(upload_node(t) if self.nodes else None)
+            inputs.append(upload_node(t) if self.nodes else None)
             self.key.append(("cpu", t.shape, t.dtype))
         else:
             raise DeviceMismatchError(
@@ -68,7 +74,8 @@ class Frozen:
                 f"{DEVICE_TYPE}:0 and {t.device} (a tensor of shape {tuple(t.shape)}). Move it "
                 f"with t.to(xshard.device()) first; only 0-dim CPU tensors, and CPU index "
                 f"tensors, may be mixed with device tensors.")
-        return ir.slot(len(self.inputs) - 1)
+        n = len(inputs) - 1
+        return _SLOTS[n] if n < 64 else ir.slot(n)
 
     def freeze(self, x, dynamic=None):
         if isinstance(x, torch.Tensor):
@@ -78,6 +85,10 @@ class Frozen:
             # Nesting is spelled out, and each static value's type (True == 1 and hash equally,
             # yet sum(x, [0, 1]) and sum(x, [0], True) differ).
             self.key.append(("seq", t, len(x)))
+            if x and isinstance(x[0], torch.Tensor):
+                tensor = self.tensor
+                return tuple([tensor(v) if isinstance(v, torch.Tensor) else self.freeze(v)
+                              for v in x])
             if dynamic is not None and x and all(type(v) in _SCALAR_TYPES for v in x):
                 return tuple([self.freeze(v, dynamic) for v in x])
             return tuple([self.freeze(v) for v in x])
@@ -87,12 +98,18 @@ class Frozen:
                 self.inputs.append(ir.scalar_node(x) if self.nodes else None)
                 self.key.append(t)
                 return ir.slot(len(self.inputs) - 1)
-        if isinstance(x, torch.Generator):
+        if t is int or t is bool:
+            self.key.append((t, x))
+        elif t is torch.Generator:
             raise TypeError(
                 "xshard random ops draw from the device's own stream; pass generator=None and seed "
                 "it with torch.manual_seed(seed).")
-        self.key.append(ir.exact(x))
+        else:
+            self.key.append(ir.exact(x))
         return x
+
+
+_SLOTS = [ir.slot(i) for i in range(64)]
 
 
 def freeze_call(f, args, kwargs, nodes=True, code=None):
@@ -276,16 +293,21 @@ def write(dst, value: ir.Node) -> None:
         raise DeviceMismatchError(
             f"Cannot write an xshard result into a {dst.device} tensor in place; move it with "
             f".to(xshard.device()) first.")
-    if tuple(value.shape) != tuple(dst.shape):
-        if tuple(dst.shape) != tuple(torch.broadcast_shapes(value.shape, dst.shape)):
-            raise RuntimeError(
-                f"xshard cannot resize an out= tensor of shape {tuple(dst.shape)} to "
-                f"{tuple(value.shape)}; pass an out tensor of the result's shape, or use the "
-                f"functional form.")
-        value = expand(value, dst.shape)
-    if value.dtype != dst.dtype:
-        value = convert(value, dst.dtype)
-    dst._assign(value)
+    shape, _, dtype = dst._meta
+    if value.shape != shape:
+        if tuple(value.shape) != shape:
+            if shape != tuple(torch.broadcast_shapes(value.shape, shape)):
+                raise RuntimeError(
+                    f"xshard cannot resize an out= tensor of shape {shape} to "
+                    f"{tuple(value.shape)}; pass an out tensor of the result's shape, or use the "
+                    f"functional form.")
+            value = expand(value, shape)
+    if value.dtype is not dtype:
+        value = convert(value, dtype)
+    if dst._chain:
+        dst._assign(value)
+    else:
+        dst._cell.write(value)
 
 
 def _first_argument(op) -> str:
@@ -327,15 +349,26 @@ def clone(value: ir.Node) -> ir.Node:
 # -- views -----------------------------------------------------------------------------------------
 
 
+_VIEWS: dict = {}
+
+
 def view_steps(func, f, args, kwargs):
     """The views a view op makes of ``args[0]``: a list of ``(ViewStep, spec)`` (one per output),
     a single one for a single output; or ``None`` when the op must be recorded as a value (a
-    tensor-valued argument, which aliasing cannot follow)."""
-    base = args[0]
+    tensor-valued argument, which aliasing cannot follow). Cached by the call's key."""
     template, rec = freeze_call(f, args, kwargs, nodes=False)
-    spec, _ = meta(func, args, kwargs, tuple(rec.key))
+    key = tuple(rec.key)
+    made = _VIEWS.get(key)
+    if made is None:
+        made = _VIEWS[key] = _view_steps(func, args, kwargs, template, rec, key)
+    return made or None
+
+
+def _view_steps(func, args, kwargs, template, rec, key):
+    base = args[0]
+    spec, _ = meta(func, args, kwargs, key)
     if len(rec.inputs) != 1:
-        return None
+        return ()
     if spec[0] == "t":
         return _step(base, func, template, spec), spec
     # split / split_with_sizes / unbind: each output is a slice or select of the base.

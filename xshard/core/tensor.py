@@ -40,6 +40,8 @@ class XTensor(LazyTensor):
         t._chain = chain
         t._cache = None
         t._cache_version = -1
+        # What the recorder keys a call on, per tensor argument (see xshard.core.record).
+        t._meta = (tuple(shape), tuple(stride), dtype)
         return t
 
     def __init__(self, *args, **kwargs):
@@ -80,7 +82,7 @@ class XTensor(LazyTensor):
         if self.grad is not None:
             new.grad = copy.deepcopy(self.grad, memo)
         for key, val in self.__dict__.items():
-            if key not in ("_cell", "_chain", "_cache", "_cache_version"):
+            if key not in ("_cell", "_chain", "_cache", "_cache_version", "_meta"):
                 setattr(new, key, copy.deepcopy(val, memo))
         return new
 
@@ -227,6 +229,7 @@ def _restride_(func, args, kwargs):
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
         aten.as_strided_.default(self, out.shape, out.stride(), out.storage_offset())
     self._cell, self._chain, self._cache_version = out._cell, out._chain, -1
+    self._meta = (tuple(self.shape), tuple(self.stride()), self.dtype)
     return self
 
 

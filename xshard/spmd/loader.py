@@ -6,7 +6,7 @@ into its shards (``jax.device_put`` per shard, no replicated copy) while step i 
 thread only wraps the arrived data as xshard tensors.
 
 [Note: why the background thread makes no tensors]
-Creating an xshard tensor registers its storage cell in ``LIVE_CELLS``, which ``sync()`` walks.
+Creating an xshard tensor registers its storage cell with core (xshard.core.cells), which ``sync()`` reads.
 The thread therefore produces only IR data nodes (plain values over ``jax.Array``s); the tensors
 are made in the consumer's thread, when a batch is handed out.
 
