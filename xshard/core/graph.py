@@ -23,27 +23,31 @@ class Graph:
         # points of a manual-sharding region).
         order, children, positions = [], [], {}
         inputs, entries = [], []
-        stack = [(n, False) for n in reversed(outputs)]
-        DATA, SCALAR = ir.DATA, ir.SCALAR
-        while stack:
-            node, expanded = stack.pop()
-            if id(node) in positions:
+        for out in outputs:
+            if id(out) in positions:
                 continue
-            leaf = node.op in boundary
-            if not expanded and node.inputs and not leaf:
-                stack.append((node, True))
-                stack.extend((i, False) for i in reversed(node.inputs) if id(i) not in positions)
-                continue
-            positions[id(node)] = len(order)
-            order.append(node)
-            if leaf or node.op is DATA or node.op is SCALAR:
-                children.append(())
-                inputs.append(node)
-                entries.append((node.key, len(inputs) - 1))
-            else:
-                kids = tuple([positions[id(i)] for i in node.inputs])
-                children.append(kids)
-                entries.append((node.key, kids))
+            # An explicit stack of (node, inputs still to visit): inputs before their users.
+            stack = [(out, iter(()) if _leaf(out, boundary) else iter(out.inputs))]
+            while stack:
+                node, rest = stack[-1]
+                for i in rest:
+                    if id(i) not in positions:
+                        stack.append((i, iter(()) if _leaf(i, boundary) else iter(i.inputs)))
+                        break
+                else:
+                    stack.pop()
+                    if id(node) in positions:
+                        continue
+                    positions[id(node)] = len(order)
+                    order.append(node)
+                    if _leaf(node, boundary):
+                        children.append(())
+                        entries.append((node.key, len(inputs)))
+                        inputs.append(node)
+                    else:
+                        kids = tuple([positions[id(i)] for i in node.inputs])
+                        children.append(kids)
+                        entries.append((node.key, kids))
         self.order = order
         self.children = children
         self.inputs = inputs
@@ -56,3 +60,8 @@ class Graph:
                for n in self.inputs]
         ops = [str(n.op) for n in self.order if n.op is not ir.DATA and n.op is not ir.SCALAR]
         return ins, ops
+
+
+def _leaf(node, boundary) -> bool:
+    op = node.op
+    return op is ir.DATA or op is ir.SCALAR or (boundary and op in boundary)
