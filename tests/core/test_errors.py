@@ -91,3 +91,72 @@ def test_bad_environment_values_are_reported():
             os.environ["PJRT_DEVICE"] = old
         runtime._settings.cache_clear()
     assert xshard.device_count() == 8
+
+
+# -- failing loudly (issue: no silent wrong answers) ------------------------------------------------
+
+
+def test_wrong_shaped_rule_result_raises_naming_the_op(monkeypatch):
+    from xshard.core import lowering, ops
+
+    op = torch.ops.aten.sin.default
+    monkeypatch.setitem(lowering.RULES, op, lambda x: x.reshape(-1))  # (2, 3) -> (6,)
+    monkeypatch.setattr(ops, "_FACTS", {})
+    try:
+        x = torch.randn(2, 3).to(DEV)
+        with pytest.raises(lowering.LoweringError, match=r"aten\.sin\.default produced shape "
+                                                          r"\(6,\), PyTorch expects \(2, 3\)"):
+            x.sin().cpu()
+    finally:
+        ops._FACTS.clear()
+
+
+def test_failed_step_error_is_what_reading_its_tensors_raises_and_its_inputs_survive(monkeypatch):
+    """A tensor whose step failed keeps that step's error; the data it reads is never donated to
+    the steps that run after it, so reading it never says "Array has been deleted"."""
+    from xshard.core import lowering
+
+    monkeypatch.setitem(lowering.RULES, "test.broken", _broken)
+    a = torch.arange(4.0).to(DEV)
+    xshard.sync()
+    bad = _broken_tensor(a)
+    a.add_(1)  # a's old data is now read only by `bad`: a sync may not donate it
+    with pytest.raises(lowering.LoweringError, match="boom"):
+        xshard.sync()
+    for _ in range(2):
+        a.add_(1)
+        xshard.sync()  # the rest runs, twice
+    assert a.cpu().tolist() == [3.0, 4.0, 5.0, 6.0]
+    for _ in range(2):
+        with pytest.raises(lowering.LoweringError, match="boom"):
+            bad.cpu()
+
+
+def _broken(x):
+    raise ValueError("boom")
+
+
+def _broken_tensor(a):
+    from xshard.core import api, ir
+
+    node = ir.Node("test.broken", (api.value(a),), ((ir.slot(0),), ()), (4,), torch.float32)
+    return api.new_tensor(node)
+
+
+def test_whether_an_input_is_held_does_not_split_a_step_into_two_executables():
+    """The same step with its old parameter data held elsewhere (not donatable) or not
+    (donated) runs one executable: donation is not part of the graph key."""
+    from core_testing import counting
+
+    w = torch.randn(64).to(DEV)
+    copy = torch.zeros(64).to(DEV)
+    xshard.sync()
+    with counting() as d:
+        for held in (False, True, False, True):
+            if held:
+                copy.copy_(w)  # `copy` now holds the very data `w` holds
+            w.mul_(0.5).add_(1.0)
+            xshard.sync()
+        expected = w.cpu()
+    assert d["compiles"] == 1
+    torch.testing.assert_close(copy.cpu() * 0.5 + 1.0, expected)

@@ -232,7 +232,7 @@ def test_torch_save_load_tensor_and_state_dict():
     buf = io.BytesIO()
     torch.save({"t": t, "sd": model.state_dict()}, buf)
     buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = torch.load(buf)  # weights_only, PyTorch's default
     assert loaded["t"].device == DEV and torch.equal(loaded["t"].cpu(), t.cpu())
     for k, v in model.state_dict().items():
         assert loaded["sd"][k].device == DEV
@@ -246,6 +246,47 @@ def test_torch_save_load_tensor_and_state_dict():
     buf.seek(0)
     fresh.load_state_dict(torch.load(buf))
     assert fresh.weight.device == DEV
+
+
+_LOAD_WITHOUT_XSHARD = """
+import sys
+sys.modules["xshard"] = None  # importing xshard now fails: the file must not need it
+import torch
+state = torch.load(sys.argv[1], map_location="cpu")  # weights_only, PyTorch's default
+model, opt = state["model"], state["optim"]
+assert all(t.device.type == "cpu" for t in model.values())
+print(repr(model["weight"].tolist()))
+print(repr(opt["state"][0]["exp_avg"].tolist()))
+print(state["step"], model["weight"].dtype, state["bf16"].dtype)
+"""
+
+
+def test_saved_device_tensors_load_as_cpu_tensors_where_xshard_is_not_installed(tmp_path):
+    """As a CUDA checkpoint does: torch.save of device tensors, state dicts and optimizer state
+    writes PyTorch's own storage-less-device format, which weights_only loading accepts and
+    map_location="cpu" turns into CPU tensors in a process without xshard."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4).to(DEV)).sum().backward()
+    opt.step()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 7,
+                "bf16": torch.ones(2, dtype=torch.bfloat16, device=DEV)}, path)
+    out = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_XSHARD, str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    weight, exp_avg, rest = out.stdout.strip().split("\n")
+    assert eval(weight) == model.weight.detach().cpu().tolist()
+    assert eval(exp_avg) == opt.state_dict()["state"][0]["exp_avg"].cpu().tolist()
+    assert rest == "7 torch.float32 torch.bfloat16"
+    # With xshard present, the same file loads onto the device, and onto the CPU on request.
+    on_device = torch.load(path)
+    assert on_device["model"]["weight"].device == DEV
+    assert torch.load(path, map_location="cpu")["model"]["weight"].device.type == "cpu"
 
 
 def test_deepcopy_model():

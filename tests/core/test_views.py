@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import xshard
-from core_testing import DEV, assert_same, check
+from core_testing import DEV, assert_same, check, counting
 
 
 def base():
@@ -312,3 +312,35 @@ def test_copy_between_dtypes_and_from_cpu():
     cpu = torch.empty(2, 3, dtype=torch.int64)
     cpu.copy_(x)
     assert torch.equal(cpu, x.cpu())
+
+
+def test_cpu_index_tensors_index_and_assign_into_device_tensors():
+    """As on CUDA: an index tensor may live on the CPU (it is moved to the device)."""
+    base = torch.arange(20.0).reshape(5, 4)
+    idx = torch.tensor([0, 2, 4])
+    cols = torch.tensor([[1], [3]])
+    checks = [
+        lambda x: x[idx],
+        lambda x: x[idx, 1],
+        lambda x: x[:, torch.tensor([3, 0])],
+        lambda x: x[cols],
+        lambda x: torch.index_select(x, 0, idx.to(x.device)),
+    ]
+    d = base.to(DEV)
+    with counting() as counts:
+        for fn in checks:
+            assert_same(fn(d), fn(base))
+    assert not counts["cpu_fallbacks"]
+    for kind in ("assign", "add", "index_put_", "accumulate"):
+        x, y = base.clone(), base.clone().to(DEV)
+        for t in (x, y):
+            if kind == "assign":
+                t[idx] = torch.full((3, 4), -1.0).to(t.device)
+            elif kind == "add":
+                t[idx] += 1.0
+            elif kind == "index_put_":
+                t.index_put_((idx, torch.tensor([1, 1, 2])), torch.tensor(9.0))
+            else:
+                t.index_put_((torch.tensor([1, 1, 3]),), torch.ones(4).to(t.device),
+                             accumulate=True)
+        assert_same(y, x)
