@@ -6,6 +6,8 @@ its own ``XLA`` key, so both can live in one process.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils.backend_registration as backend_registration
 
@@ -22,6 +24,26 @@ def _graph():
     from xshard.core import graph
 
     return graph
+
+
+class _Stream:
+    """The xshard device's one stream. Work on it is ordered by the lazy graph and reads wait for
+    their values, so a stream only needs to exist for PyTorch code that asks for one (e.g. the
+    overlapping loader of ``torch.distributed.checkpoint.FileSystemWriter``)."""
+
+    device_type = DEVICE_TYPE
+
+    def synchronize(self) -> None:
+        _graph().wait_all()
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = _Stream()
 
 
 class _DeviceModule:
@@ -70,6 +92,14 @@ class _DeviceModule:
     @staticmethod
     def synchronize(device=None) -> None:
         _graph().sync(wait=True)
+
+    @staticmethod
+    def current_stream(device=None) -> _Stream:
+        return _STREAM
+
+    @staticmethod
+    def stream(stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(stream)
 
     @staticmethod
     def get_amp_supported_dtype():
