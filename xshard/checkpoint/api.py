@@ -61,19 +61,26 @@ def _on_process_0(step) -> None:
 
 
 @contextlib.contextmanager
-def _dcp_errors():
-    """DCP's single-process warning off (xshard means it), and DCP's wrapped errors unwrapped: a
-    ``CheckpointError`` from any process is raised as itself."""
+def _dcp_errors(what: str, consequence: str):
+    """DCP's single-process warning off (xshard means it), and DCP's errors (a
+    ``CheckpointException``, which is not an ``Exception``, carrying each process's error) turned
+    into ordinary ones: a ``CheckpointError`` from any process is raised as itself, anything else
+    as a ``CheckpointError`` naming the processes and the first error."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             yield
         except CheckpointException as e:
-            for rank in sorted(e.failures):
+            ranks = sorted(e.failures)
+            for rank in ranks:
                 error = e.failures[rank][0]
                 if isinstance(error, CheckpointError):
                     raise error from e
-            raise
+            first = e.failures[ranks[0]][0]
+            where = "process " + ", ".join(map(str, ranks)) if len(ranks) < 2 else \
+                "processes " + ", ".join(map(str, ranks))
+            raise CheckpointError(f"{what} failed on {where} ({consequence}): "
+                                  f"{type(first).__name__}: {first}") from e
 
 
 def save(state: dict, path, *, overwrite: bool = False) -> None:
@@ -118,7 +125,8 @@ def save(state: dict, path, *, overwrite: bool = False) -> None:
 
     _on_process_0(fresh_staging)
     writer = FileSystemWriter(staging, per_thread_copy_ahead=0, overwrite=False)
-    with _dcp_errors():
+    with _dcp_errors(f"Saving {path}", f"nothing was committed; {staging} is left over and "
+                     f"the next save to this path removes it"):
         dcp.save(to_write, storage_writer=writer, planner=SavePlanner())
     _on_process_0(lambda: _commit(staging, path))
 
@@ -200,7 +208,7 @@ def load(state: dict, path) -> None:
     check_process_group()
     targets = states.to_state_dicts(state, prime=True)
     planner = LoadPlanner(defer_writes=True)
-    with _dcp_errors():
+    with _dcp_errors(f"Loading {path}", "nothing was written into the state"):
         dcp.load(targets, storage_reader=FileSystemReader(path), planner=planner)
     loaded = planner.apply()
     states.write_back(state, {key: loaded[key] for key in targets})
