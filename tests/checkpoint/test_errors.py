@@ -136,6 +136,21 @@ def test_unprimed_optimizer_state_dict_is_refused(tmp_path):
     assert_same(snapshot(fresh.state_dict()), snapshot(opt.state_dict()))
 
 
+class Schedule:
+    """An object DCP knows nothing about, inside a list of dicts (as in an optimizer's groups)."""
+
+
+def test_a_failed_load_leaves_containers_and_unknown_objects_alone(checkpoint):
+    schedule, groups = Schedule(), [{"schedule": None, "betas": (0.9, 0.99)}]
+    groups[0]["schedule"] = schedule
+    state = fresh_state(b=on_device(torch.zeros(9, 6)))
+    state["groups"] = groups
+    with pytest.raises(CheckpointError, match=r"Key 'groups\.0\.schedule' .* not in the "
+                                              r"checkpoint.*'model\.b'"):
+        xcp.load(state, checkpoint)
+    assert state["groups"] is groups and groups[0]["schedule"] is schedule
+
+
 def test_a_read_failing_half_way_changes_nothing(tmp_path):
     xcp.save({"model": {"a": on_device(SAVED["a"]), "b": on_device(SAVED["b"])}, "step": 4},
              tmp_path / "ckpt")

@@ -14,8 +14,10 @@ import torch
 
 from tests.checkpoint.checkpoint_testing import run_script
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("xshard.launch") is None,
-                                reason="needs the multi-process launcher (python -m xshard.launch)")
+# About 5 minutes on a 2-core machine (7 launches of 2 processes): slow.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("xshard.launch") is None,
+                                 reason="needs the multi-process launcher (python -m xshard.launch)")]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "checkpoint_roundtrip.py"

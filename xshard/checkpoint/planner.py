@@ -223,7 +223,11 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         check_process_group()
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        # The default planner's set-up rewrites containers in place (lists become new lists, and
+        # values of types it does not know become None). Give it a copy of the containers, so the
+        # state stays as it was until values are written into it.
+        super().set_up_planner(_copy_containers(state_dict), metadata, is_coordinator)
+        self.original_state_dict = state_dict
 
     def create_local_plan(self) -> LoadPlan:
         check_state(self.state_dict, self.metadata, self.original_state_dict.keys())
@@ -294,6 +298,15 @@ class LoadPlanner(DefaultLoadPlanner):
             self._set_value(read_item.dest_index.fqn, io.BytesIO(data))
         self._targets, self._bytes = {}, []
         return self.original_state_dict
+
+
+def _copy_containers(value):
+    """``value`` with its dicts and lists copied, everything else shared."""
+    if isinstance(value, dict):
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(v) for v in value]
+    return value
 
 
 def set_by_path(root: dict, path: tuple, value) -> None:
