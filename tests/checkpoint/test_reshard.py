@@ -196,3 +196,9 @@ def test_blocks_geometry():
     view.fill_(1.5)
     assert array.dtype.name == "bfloat16" and float(array[1, 2]) == 1.5
     assert DEV.type == "xshard"
+
+
+def test_reachable_from_the_package():
+    import xshard
+
+    assert xshard.checkpoint.save is xcp.save and xshard.checkpoint.LoadPlanner is xcp.LoadPlanner
