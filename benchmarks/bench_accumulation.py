@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     from rich.table import Table
 
     import xshard
-    from xshard.core import graph
+    from xshard.core import compiler, execute
     from xshard.fsdp import FSDP, transformer_auto_wrap_policy
     from xshard.models import GPT, GPTConfig
     from xshard.models.gpt import Block
@@ -109,8 +109,8 @@ def main(argv=None) -> None:
                     self.opt.step()
                     self.opt.zero_grad()
                 if inspect:
-                    step = graph.pending_step()
-                    seen.append(reductions(graph.executable(step.graph).compiled.as_text()))
+                    step = execute.pending_step()
+                    seen.append(reductions(compiler.executable(step.graph).compiled.as_text()))
                 xshard.sync()
             xshard.sync(wait=True)
             if inspect:

@@ -50,9 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 import torch  # noqa: E402
 
 import xshard  # noqa: E402
-from xshard.core import graph as xgraph  # noqa: E402
-from xshard.core import ir  # noqa: E402
+from xshard.core import compiler, execute, ir  # noqa: E402
 from xshard.core import tensor as xtensor  # noqa: E402
+from xshard.core.graph import Graph  # noqa: E402
 from xshard.models.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -82,7 +82,7 @@ class Trainer:
 
 def count_aten_calls(trainer: Trainer) -> int:
     """Aten calls that reach ``__torch_dispatch__`` while one step is recorded (nested ones included)."""
-    original = xtensor._dispatch
+    original = xtensor.dispatch
     calls = 0
 
     def counting(func, args, kwargs):
@@ -90,20 +90,20 @@ def count_aten_calls(trainer: Trainer) -> int:
         calls += 1
         return original(func, args, kwargs)
 
-    xtensor._dispatch = counting
+    xtensor.dispatch = counting
     try:
         trainer.trace()
     finally:
-        xtensor._dispatch = original
+        xtensor.dispatch = original
     return calls
 
 
-def pending_graph() -> xgraph.Graph:
+def pending_graph() -> Graph:
     """The graph ``sync()`` would build now."""
-    return xgraph.pending_step().graph
+    return execute.pending_step().graph
 
 
-def op_nodes(g: xgraph.Graph) -> int:
+def op_nodes(g: Graph) -> int:
     return sum(1 for n in g.order if n.op is not ir.DATA and n.op is not ir.SCALAR)
 
 
@@ -111,13 +111,13 @@ def op_nodes(g: xgraph.Graph) -> int:
 
 
 class SyncPhases:
-    """Wraps ``graph.Graph`` and ``graph.executable`` (module globals ``sync()`` calls) with timers."""
+    """Wraps ``Graph`` and ``compiler.executable`` (the names ``sync()`` calls) with timers."""
 
     def __init__(self):
         self.build = self.lookup = 0.0
 
     def __enter__(self):
-        self._graph, self._executable = xgraph.Graph, xgraph.executable
+        self._graph, self._executable = execute.Graph, compiler.executable
         phases = self
 
         def timed_graph(*a, **k):
@@ -127,18 +127,18 @@ class SyncPhases:
             finally:
                 phases.build += time.perf_counter() - start
 
-        def timed_executable(g):
+        def timed_executable(g, *a):
             start = time.perf_counter()
             try:
-                return phases._executable(g)
+                return phases._executable(g, *a)
             finally:
                 phases.lookup += time.perf_counter() - start
 
-        xgraph.Graph, xgraph.executable = timed_graph, timed_executable
+        execute.Graph, compiler.executable = timed_graph, timed_executable
         return self
 
     def __exit__(self, *exc):
-        xgraph.Graph, xgraph.executable = self._graph, self._executable
+        execute.Graph, compiler.executable = self._graph, self._executable
 
 
 # -- main --------------------------------------------------------------------------------------------

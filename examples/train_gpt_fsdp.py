@@ -27,7 +27,7 @@ from rich.table import Table  # noqa: E402
 
 import xshard  # noqa: E402
 import xshard.spmd as xs  # noqa: E402
-from xshard.core import graph  # noqa: E402
+from xshard.core import compiler, execute  # noqa: E402
 from xshard.fsdp import FSDP, size_based_auto_wrap_policy, transformer_auto_wrap_policy  # noqa: E402
 from xshard.memory import format_bytes, live_bytes_per_device  # noqa: E402
 from xshard.models.gpt import GPT, Block, GPTConfig  # noqa: E402
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     model(x.to(dev), y.to(dev)).backward()
     opt.step()
     opt.zero_grad()
-    stats = graph.compile_graph(graph.pending_step().graph).memory_analysis()
+    stats = compiler.compile_graph(execute.pending_step().graph).memory_analysis()
     xshard.sync(wait=True)
     live = live_bytes_per_device()
 

@@ -14,10 +14,10 @@ from xshard.core.runtime import (device_count, devices, initialize, process_coun
                                  process_index)
 from xshard.core import device as _device
 from xshard.core import attention as _attention  # noqa: F401  (fused SDPA for the device)
-from xshard.core import debug, metrics  # noqa: F401
+from xshard.core import debug, metrics, rng  # noqa: F401
 from xshard.core.barrier import optimization_barrier, optimization_barrier_  # noqa: F401
-from xshard.core.graph import compile_only  # noqa: F401
-from xshard.core.graph import sync as _sync, wait_all as _wait_all
+from xshard.core.execute import compile_only  # noqa: F401
+from xshard.core.execute import sync as _sync, wait_all as _wait_all
 
 _device.register()
 
@@ -55,8 +55,6 @@ def __getattr__(name: str):
 
 def manual_seed(seed: int) -> None:
     """Seeds the device random stream (``torch.manual_seed`` does this too)."""
-    from xshard.core import rng
-
     rng.manual_seed(seed)
 
 

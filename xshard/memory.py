@@ -42,9 +42,9 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from xshard.core import graph, ir, runtime
+from xshard.core import api, compiler, execute, runtime
+from xshard.core.cells import LIVE_CELLS
 from xshard.core.dtypes import to_numpy_dtype
-from xshard.core.tensor import LIVE_CELLS, XTensor
 
 __all__ = ["StepMemory", "StepMeasurement", "analyze_step", "abstract_sync", "live_bytes_per_device",
            "utilization", "measure_step", "format_bytes", "parse_bytes"]
@@ -100,13 +100,14 @@ class StepMemory:
         return out
 
 
-def _cells_of(tensors: Iterable) -> list:
-    cells, seen = [], set()
+def _storages_of(tensors: Iterable) -> list:
+    """One tensor per storage among ``tensors`` (device tensors only)."""
+    out, seen = [], set()
     for t in tensors:
-        if isinstance(t, XTensor) and id(t._cell) not in seen:
-            seen.add(id(t._cell))
-            cells.append(t._cell)
-    return cells
+        if api.is_device_tensor(t) and id(api.storage(t)) not in seen:
+            seen.add(id(api.storage(t)))
+            out.append(t)
+    return out
 
 
 def _optimizer_tensors(optimizer) -> list:
@@ -177,19 +178,17 @@ def analyze_step(params=None, optimizer=None, inputs=None) -> StepMemory:
         >>> print(xshard.memory.format_bytes(m.peak_bytes))   # doctest: +SKIP
     """
     params = _as_list(params)
-    step = graph.pending_step()
+    step = execute.pending_step()
     if not step.cells:
         raise NoPendingStepError(
             "There is no pending work to analyse: trace a training step (forward, backward, "
             "optimizer step) first, and call analyze_step before xshard.sync().")
     g = step.graph
     start = time.perf_counter()
-    runnable = not any(n.op is ir.DATA and isinstance(n.payload, graph.jax.ShapeDtypeStruct)
-                       for n in g.inputs)
-    if runnable:  # cached: the sync that follows reuses the executable
-        compiled = graph.executable(g).compiled
+    if execute.runnable(g):  # cached: the sync that follows reuses the executable
+        compiled = compiler.executable(g, step.donate).compiled
     else:
-        compiled = graph.compile_graph(g)
+        compiled = compiler.compile_graph(g)
     compile_seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
 
@@ -197,11 +196,10 @@ def analyze_step(params=None, optimizer=None, inputs=None) -> StepMemory:
     category = {}
     for name, tensors in (("input", _as_list(inputs)), ("optimizer", _optimizer_tensors(optimizer)),
                           ("parameter", params)):
-        for cell in _cells_of(tensors):
-            for node in (cell.value, cell.source):
-                if node is not None and node.is_data:
-                    category[id(node)] = name
-    values = g.input_values()
+        for t in _storages_of(tensors):
+            for node in api.storage_data(t):
+                category[id(node)] = name
+    values = compiler.input_values(g)
     sums = {"parameter": 0, "optimizer": 0, "input": 0}
     for node, value in zip(g.inputs, values):
         name = category.get(id(node))
@@ -230,7 +228,8 @@ def _gradient_bytes(params, step, compiled) -> int:
     position = {id(c): pos for c, pos in zip(step.cells, step.owners)}
     out_shardings = None
     total = 0
-    for cell in _cells_of(p.grad for p in params if isinstance(p, torch.Tensor)):
+    for grad in _storages_of(p.grad for p in params if isinstance(p, torch.Tensor)):
+        cell = api.storage(grad)
         value = cell.value
         if value.is_data:
             total += _shard_bytes(value.payload)
@@ -259,26 +258,9 @@ def abstract_sync() -> int:
         The number of tensors (storages) settled.
 
     Raises:
-        graph.CompileOnlyError: called outside ``compile_only()``; run ``xshard.sync()`` instead.
+        CompileOnlyError: called outside ``compile_only()``; run ``xshard.sync()`` instead.
     """
-    if not graph._COMPILE_ONLY["on"]:
-        raise graph.CompileOnlyError(
-            "abstract_sync() stands in for a sync under xshard.compile_only() only; outside it, "
-            "run the step with xshard.sync().")
-    jax = graph.jax
-    settled = 0
-    for cell in sorted((c for c in list(LIVE_CELLS) if not c.value.is_data and not c.value.manual),
-                       key=graph._seq):
-        node = cell.value
-        annotation = cell.sharding
-        if annotation is not None:
-            shape, sharding = tuple(annotation.padded_shape(node.shape)), annotation.jax_sharding
-        else:
-            shape, sharding = tuple(node.shape), graph.default_sharding()
-        aval = jax.ShapeDtypeStruct(shape, to_numpy_dtype(node.dtype), sharding=sharding)
-        cell.write(ir.data_node(aval, node.shape, node.dtype, sharding))
-        settled += 1
-    return settled
+    return execute.sync(abstract=True)
 
 
 def live_bytes_per_device() -> dict[int, int]:
@@ -291,7 +273,7 @@ def live_bytes_per_device() -> dict[int, int]:
         >>> xshard.sync(wait=True)
         >>> max(xshard.memory.live_bytes_per_device().values())   # doctest: +SKIP
     """
-    jax = graph.jax
+    jax = runtime.jax_module()
     totals: dict[int, int] = {d.id: 0 for d in runtime.devices()}
     seen = set()
     for cell in list(LIVE_CELLS):
@@ -366,19 +348,19 @@ def measure_step(step_fn: Callable[[], object], n: int = 3, warmup: int = 1,
     for i in range(warmup):
         step_fn()
         if i == warmup - 1:
-            pending = graph.pending_step()
+            pending = execute.pending_step()
             if pending.cells:
-                exe = graph.executable(pending.graph)
+                exe = compiler.executable(pending.graph, pending.donate)
                 flops = _flops(exe.compiled)
-                n_devices = _devices_of(v for v in pending.graph.input_values()
+                n_devices = _devices_of(v for v in compiler.input_values(pending.graph)
                                         if not isinstance(v, np.ndarray))
-        graph.sync(wait=True)
+        execute.sync(wait=True)
     start = time.perf_counter()
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         step_fn()
-        graph.sync(wait=True)
+        execute.sync(wait=True)
         times.append(time.perf_counter() - t0)
     seconds = statistics.fmean(times) if times else time.perf_counter() - start
     util = None

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import xshard
 import xshard.checkpoint as xcp
 from xshard.checkpoint import CheckpointError, CheckpointNotFoundError
+from xshard.core import runtime
 
 from tests.checkpoint.checkpoint_testing import (assert_same, mesh, on_device, run_script,
                                                  snapshot, spec_of)
@@ -196,7 +197,7 @@ def test_bad_arguments(tmp_path):
 
 
 def test_several_processes_need_a_process_group(tmp_path, monkeypatch):
-    monkeypatch.setattr(xshard, "process_count", lambda: 2)
+    monkeypatch.setattr(runtime, "process_count", lambda: 2)
     with pytest.raises(RuntimeError, match=r"2 processes but no torch\.distributed process group"
                                            r".*Call xshard\.initialize\(\)"):
         xcp.save({"x": on_device(torch.ones(2))}, tmp_path / "x")

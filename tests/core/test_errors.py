@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import xshard
 from core_testing import DEV, assert_same
-from xshard.core.dispatch import DeviceMismatchError
+from xshard.core.record import DeviceMismatchError
 
 
 def test_mixing_with_non_scalar_cpu_tensor_names_both_devices():

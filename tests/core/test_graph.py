@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import xshard
 from core_testing import DEV, assert_same, counting
-from xshard.core import graph, ir, lowering, metrics
+from xshard.core import ir, lowering, metrics
 from xshard.core import tensor as xt
 
 
@@ -174,7 +174,7 @@ def test_sync_returns_before_execution_finishes(monkeypatch):
     monkeypatch.setitem(lowering.RULES, BLOCK, rule)
     a = torch.zeros(()).to(DEV)
     xshard.sync()
-    node = ir.Node(BLOCK, (a._value(),), ((ir.Slot(0),), ()), (), torch.float32)
+    node = ir.Node(BLOCK, (a._value(),), ((ir.slot(0),), ()), (), torch.float32)
     out = xt.new_base(node)
     xshard.sync()
     assert not finished.is_set(), "sync() waited for the computation to finish"
@@ -234,12 +234,12 @@ def test_recompile_log_says_what_differs(caplog):
 
 
 def test_cpu_fallback_counted_and_warned_once(monkeypatch):
-    from xshard.core import dispatch
+    from xshard.core import fallback, ops
 
     op = torch.ops.aten.cosh.default
     monkeypatch.delitem(lowering.RULES, op)
-    monkeypatch.setattr(dispatch, "_WARNED", set())
-    dispatch.op_info.cache_clear()
+    monkeypatch.setattr(fallback, "_WARNED", set())
+    monkeypatch.setattr(ops, "_FACTS", {})
     try:
         a = fresh(4)
         with counting() as d:
@@ -257,7 +257,7 @@ def test_cpu_fallback_counted_and_warned_once(monkeypatch):
         assert_same(y, a.cpu().cosh())
         assert_same(z, (a.cpu() * 2).cosh())
     finally:
-        dispatch.op_info.cache_clear()
+        ops._FACTS.clear()
 
 
 def test_failed_graph_does_not_block_later_syncs(monkeypatch):
@@ -266,14 +266,14 @@ def test_failed_graph_does_not_block_later_syncs(monkeypatch):
 
     monkeypatch.setitem(lowering.RULES, "test.broken", broken)
     a = fresh(2)
-    bad = xt.new_base(ir.Node("test.broken", (a._value(),), ((ir.Slot(0),), ()), (2,),
+    bad = xt.new_base(ir.Node("test.broken", (a._value(),), ((ir.slot(0),), ()), (2,),
                               torch.float32))
     good = a + 1
-    with pytest.raises(graph.LoweringError, match="boom"):
+    with pytest.raises(lowering.LoweringError, match="boom"):
         xshard.sync()
     xshard.sync()  # the failing tensor is left out; the rest runs
     assert_same(good, a.cpu() + 1)
-    with pytest.raises(graph.LoweringError, match="boom"):
+    with pytest.raises(lowering.LoweringError, match="boom"):
         bad.cpu()
     del bad
 

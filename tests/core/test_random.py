@@ -1,5 +1,6 @@
 """The device random stream: torch.manual_seed makes it reproducible; each draw and each step gets
-fresh numbers from the same executable (the key is device data threaded through the graph)."""
+fresh numbers from the same executable (seed and counter are graph inputs); recomputation under
+activation checkpointing draws the forward's numbers; seeding never touches the devices."""
 
 import pytest
 import torch
@@ -104,3 +105,116 @@ def test_generator_argument_is_rejected_with_hint():
     g = torch.Generator().manual_seed(0)
     with pytest.raises(TypeError, match="manual_seed"):
         torch.rand(3, device=DEV, generator=g).cpu()
+
+
+def _dropout_block():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 4)).to(DEV)
+
+
+def _grads(block, x, run):
+    torch.manual_seed(7)
+    block.zero_grad()
+    run(block, x).pow(2).sum().backward()
+    return [p.grad.cpu() for p in block.parameters()]
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non_reentrant", "checkpoint_module"])
+def test_checkpoint_recomputes_with_the_forward_masks(how):
+    """A recomputation that drew new dropout masks would give other gradients (measured max error
+    2.2 before PyTorch could save the device RNG state)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from xshard.fsdp.utils import checkpoint_module
+
+    x = torch.randn(8, 16).to(DEV)
+    plain = _grads(_dropout_block(), x, lambda m, v: m(v))
+    if how == "checkpoint_module":
+        block = _dropout_block()
+        checkpoint_module(block)
+        got = _grads(block, x, lambda m, v: m(v))
+    else:
+        reentrant = how == "reentrant"
+        got = _grads(_dropout_block(), x.requires_grad_(reentrant),
+                     lambda m, v: checkpoint(m, v, use_reentrant=reentrant))
+    for a, b in zip(plain, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # The masks are real: some gradient entries are exactly zero where the mask dropped a unit.
+    assert (plain[0] == 0).any() and (plain[0] != 0).any()
+
+
+def test_seeding_never_touches_the_devices(monkeypatch):
+    """torch.manual_seed, xshard.manual_seed and the RNG state are host integers: no transfer,
+    nothing compiled (so a forked DataLoader worker that seeds itself never calls into JAX)."""
+    import jax
+
+    def forbidden(*a, **k):
+        raise AssertionError("seeding called into JAX")
+
+    monkeypatch.setattr(jax, "device_put", forbidden)
+    monkeypatch.setattr(jax, "jit", forbidden)
+    with counting() as d:
+        torch.manual_seed(3)
+        xshard.manual_seed(4)
+        state = torch.xshard.get_rng_state()
+        torch.xshard.set_rng_state(state)
+        torch.xshard.manual_seed_all(5)
+    assert d["compiles"] == 0 and d["executions"] == 0
+    assert state.dtype == torch.uint8 and state.numel() == 16
+
+
+def test_rng_state_round_trip_replays_the_draws():
+    torch.manual_seed(11)
+    state = torch.xshard.get_rng_state()
+    a = torch.rand(32, device=DEV).cpu()
+    torch.xshard.set_rng_state(state)
+    b = torch.rand(32, device=DEV).cpu()
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="16 bytes"):
+        torch.xshard.set_rng_state(torch.zeros(8, dtype=torch.uint8))
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        noise = np.random.rand()  # seeded per worker by worker_init_fn
+        return torch.full((4,), float(i * i)), torch.tensor(noise)
+
+
+def _seed_worker(worker_id):
+    import jax
+    import numpy as np
+
+    def forbidden(*a, **k):
+        raise AssertionError("a forked worker called into JAX")
+
+    jax.device_put = jax.jit = forbidden  # this child's copy of jax only
+    np.random.seed(1000 + worker_id)
+    torch.manual_seed(2000 + worker_id)
+
+
+def test_forked_dataloader_workers_through_mp_device_loader():
+    """Two forked workers, each seeding torch and numpy, feed MpDeviceLoader: the batches arrive
+    on the device equal to the workers' CPU batches, and no worker calls into JAX after fork
+    (each worker's seeding runs with JAX's entry points made to raise)."""
+    import multiprocessing
+
+    import xshard.spmd as xs
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork start method here")
+
+    def loader():
+        return torch.utils.data.DataLoader(_Squares(), batch_size=4, num_workers=2,
+                                           worker_init_fn=_seed_worker,
+                                           multiprocessing_context="fork")
+
+    expected = [(a.clone(), b.clone()) for a, b in loader()]
+    got = [(a.cpu(), b.cpu()) for a, b in xs.MpDeviceLoader(loader(), DEV)]
+    assert len(got) == len(expected) == 4
+    for (a, b), (ea, eb) in zip(got, expected):
+        assert torch.equal(a, ea) and torch.equal(b, eb)

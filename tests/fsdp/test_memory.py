@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import xshard
-from xshard.core import graph
+from xshard.core import compiler, execute
 from xshard.fsdp import FSDP, transformer_auto_wrap_policy
 from xshard.memory import live_bytes_per_device
 
@@ -77,7 +77,7 @@ def test_param_grad_optimizer_bytes_scale_as_one_over_n(n):
     # XLA's view of the next step (gradients accumulate: they are arguments too): 1/n each.
     model(x).backward()
     opt.step()
-    stats = graph.compile_graph(graph.pending_step().graph).memory_analysis()
+    stats = compiler.compile_graph(execute.pending_step().graph).memory_analysis()
     xshard.sync()
     assert replicated // n <= stats.argument_size_in_bytes <= 1.10 * replicated / n + x_bytes
 
@@ -98,7 +98,7 @@ def test_uneven_parameters_add_only_their_padding():
 
 def temp_bytes(model, x):
     model(x).backward()
-    stats = graph.compile_graph(graph.pending_step().graph).memory_analysis()
+    stats = compiler.compile_graph(execute.pending_step().graph).memory_analysis()
     xshard.sync()
     return stats.temp_size_in_bytes
 

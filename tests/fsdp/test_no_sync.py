@@ -12,7 +12,7 @@ import torch
 
 import xshard
 import xshard.spmd as xs
-from xshard.core import graph
+from xshard.core import compiler, execute
 from xshard.fsdp import MixedPrecision
 
 from tests.fsdp.fsdp_testing import CFG, POLICIES, SMALL, batches, fsdp_copy, gpt, mesh
@@ -31,7 +31,7 @@ def accumulate(model, micro, no_sync_steps):
     for i, (x, y) in enumerate(micro):
         with model.no_sync() if i < no_sync_steps else contextlib.nullcontext():
             model(x.to(dev), y.to(dev)).backward()
-        out.append(reductions(graph.executable(graph.pending_step().graph).compiled.as_text()))
+        out.append(reductions(compiler.executable(execute.pending_step().graph).compiled.as_text()))
         xshard.sync()
     return out
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import xshard
 import xshard.spmd as xs
-from xshard.core import graph
+from xshard.core import compiler, execute
 from xshard.fsdp import FSDP, checkpoint_module, transformer_auto_wrap_policy
 
 from tests.fsdp.test_memory import Layer, Wide
@@ -80,7 +80,7 @@ def checkpoint_run(reference, x, checkpointed: bool):
         for block in model:
             checkpoint_module(block)
     model(x.to(xshard.device())).pow(2).mean().backward()
-    compiled = graph.compile_graph(graph.pending_step().graph)
+    compiled = compiler.compile_graph(execute.pending_step().graph)
     xshard.sync()
     return [p.grad.cpu() for p in model.parameters()], compiled
 
@@ -129,10 +129,10 @@ def test_checkpointed_fsdp_units_lower_the_temporaries_of_a_step():
                 checkpoint_module(block)
         model = FSDP(model, auto_wrap_policy=policy)
         model(x, x).backward()
-        g = graph.pending_step().graph
-        compiled = graph.compile_graph(g)
+        g = execute.pending_step().graph
+        compiled = compiler.compile_graph(g)
         xshard.sync()
-        return compiled.memory_analysis().temp_size_in_bytes, graph.compiler_options(g)
+        return compiled.memory_analysis().temp_size_in_bytes, compiler.compiler_options(g)
 
     (plain, plain_options), (ckpt, ckpt_options) = step(False), step(True)
     # Each block's activations (about 1.2 MiB per device) are recomputed in backward instead of

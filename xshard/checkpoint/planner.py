@@ -35,10 +35,9 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
                                                   TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-import xshard
 from xshard.checkpoint import layout
 from xshard.checkpoint.errors import CheckpointError
-from xshard.core import api
+from xshard.core import api, runtime
 from xshard.core.dtypes import numpy_to_torch
 
 __all__ = ["SavePlanner", "LoadPlanner"]
@@ -47,9 +46,9 @@ __all__ = ["SavePlanner", "LoadPlanner"]
 def check_process_group() -> None:
     """Several processes must share a torch process group, or each would write a checkpoint of its
     own blocks only, with metadata describing just those."""
-    if xshard.process_count() > 1 and not (dist.is_available() and dist.is_initialized()):
+    if runtime.process_count() > 1 and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            f"This run has {xshard.process_count()} processes but no torch.distributed process "
+            f"This run has {runtime.process_count()} processes but no torch.distributed process "
             f"group, which DCP needs to agree on one checkpoint. Call xshard.initialize() at the "
             f"top of the script (it creates a gloo group), or "
             f"torch.distributed.init_process_group('gloo') yourself.")

@@ -1,3 +1,34 @@
-"""The lazy core: device, tensor, tracing, IR, lowering, graph execution (see DESIGN.md)."""
+"""The lazy core: PyTorch ops on xshard tensors become IR, IR becomes one compiled XLA program.
+
+The modules, in the order data flows through them:
+
+==================  =================================================================================
+stage               modules
+==================  =================================================================================
+device              ``runtime`` (platform, devices, the environment, read once), ``backend`` (the
+                    ``xshard`` PyTorch device type), ``device`` (its factory kernels)
+dtypes              ``dtypes`` (PyTorch <-> numpy/JAX, host conversion without loss)
+the IR              ``ir`` (the node type, and every op a node can hold)
+tensors             ``tensor`` (``XTensor`` and the dispatcher), ``cells`` (storage, views, pending)
+per-op facts        ``ops`` (what the recorder knows of each aten overload, computed once)
+recording           ``record`` (arguments frozen into a template and an exact key; meta kernels;
+                    nodes; in-place writes; view steps; factories), ``rng`` (the random stream)
+transfers           ``transfer`` (host <-> device copies, reads)
+CPU fallback        ``fallback`` (ops xshard cannot record, run eagerly on CPU)
+lowering            ``lowering/`` (the table: one rule per op, a module per op family)
+linearisation       ``graph`` (pending nodes in post-order, and the graph's key)
+compilation         ``compiler`` (the interpreter, ``jax.jit``, compiler options, the cache)
+execution           ``execute`` (sync, evaluate, wait, reads, placement, compile-only)
+==================  =================================================================================
+
+Around them: ``barrier`` and ``attention`` (device ops built from the above), ``metrics``,
+``debug`` (HLO of pending work), and ``api`` (what the layers above core use).
+
+Imports point one way: a module imports only modules of a lower rank in this order (checked by
+tests/core/test_layout.py), so a module can be read knowing only those below it:
+runtime, dtypes, metrics, ir, cells, lowering, graph, compiler, execute, rng, backend, ops, record,
+transfer, fallback, tensor, device, barrier, attention, debug, api. Recording comes after execution
+in this order because reading a value (``t.item()``) runs pending work.
+"""
 
 from xshard.core import runtime  # noqa: F401  (configures JAX before anything imports it)

@@ -2,8 +2,10 @@
 
 Code outside ``xshard.core`` reads and writes xshard tensors through these functions, never through
 a tensor's private attributes, so the core can change its insides without breaking the others.
+Graph-level work uses the core modules' public functions directly (``ir`` to build nodes,
+``execute`` to run them, ``compiler`` to compile a ``graph.Graph``).
 
-Terms (see [Note: cells and views] in ``xshard.core.tensor``):
+Terms (see [Note: cells and views] in ``xshard.core.cells``):
 
 - a tensor's **value** is an IR node (``xshard.core.ir.Node``): device data, or pending work;
 - its **storage** is shared by a base tensor and all views of it; it carries the **annotation** (a
@@ -15,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from xshard.core import graph, ir
-from xshard.core import tensor as _tensor
-from xshard.core.tensor import XTensor
+from xshard.core import cells, execute, ir
+from xshard.core.tensor import XTensor, new_base
 
 __all__ = ["XTensor", "is_device_tensor", "value", "write", "is_view", "storage", "annotation",
-           "set_annotation", "new_tensor", "settled", "array", "sync", "evaluate", "to_cpu",
-           "upload", "data_node", "constrain", "default_sharding"]
+           "set_annotation", "new_tensor", "alias", "view_spec", "view_of", "settled",
+           "storage_data", "array", "sync", "evaluate", "to_cpu", "upload", "data_node",
+           "constrain", "default_sharding", "error"]
 
 
 def is_device_tensor(x) -> bool:
@@ -45,7 +47,8 @@ def is_view(t: XTensor) -> bool:
 
 
 def storage(t: XTensor):
-    """The storage ``t`` shares with its base and views (an identity: compare with ``is``)."""
+    """The storage ``t`` shares with its base and views (an identity: compare with ``is``, or
+    use as a dict key)."""
     return t._cell
 
 
@@ -64,12 +67,42 @@ def set_annotation(t: XTensor, annotation) -> None:
 
 def new_tensor(node: ir.Node, annotation=None, requires_grad: bool = False) -> XTensor:
     """A fresh base tensor holding ``node``, with its own storage (annotated if given)."""
-    return _tensor.new_base(node, requires_grad=requires_grad, sharding=annotation)
+    return new_base(node, requires_grad=requires_grad, sharding=annotation)
+
+
+def alias(t: XTensor, cls=XTensor) -> XTensor:
+    """A new tensor object of class ``cls`` (XTensor or a subclass) sharing ``t``'s storage and
+    view."""
+    return XTensor.__new__(cls, t._cell, t._chain, t.shape, t.stride(), t.dtype,
+                           storage_offset=t.storage_offset())
+
+
+def view_spec(t: XTensor):
+    """How ``t`` views its storage (an opaque value for ``view_of``)."""
+    return (t._chain, tuple(t.shape), t.stride(), t.dtype, t.storage_offset())
+
+
+def view_of(base: XTensor, spec) -> XTensor:
+    """The view described by ``spec`` (from ``view_spec``) of ``base``'s storage."""
+    chain, shape, stride, dtype, offset = spec
+    return XTensor(base._cell, chain, shape, stride, dtype, storage_offset=offset)
 
 
 def settled(t: XTensor) -> bool:
     """Whether ``t``'s storage needs no computation in a sync."""
-    return graph.settled(t._cell.value)
+    return cells.settled(t._cell.value)
+
+
+def storage_data(t: XTensor) -> tuple:
+    """The data nodes ``t``'s storage holds or, pending, reads: its value when settled, and the
+    data it held before its pending value (what a step that overwrites it reads)."""
+    cell = t._cell
+    return tuple(n for n in (cell.value, cell.source) if n is not None and n.op is ir.DATA)
+
+
+def error(t: XTensor):
+    """The exception the step computing ``t`` raised, or None."""
+    return t._cell.error
 
 
 def array(t: XTensor):
@@ -81,33 +114,35 @@ def array(t: XTensor):
     if t._chain:
         raise ValueError("array() reads a base tensor's storage; this tensor is a view. Read "
                          "t.clone(), or the base tensor.")
-    if not graph.settled(t._cell.value):
-        graph.sync()
+    if not cells.settled(t._cell.value):
+        execute.sync()
     node = t._cell.value
-    if node.op == graph.PARTIAL_SUM:
+    if node.op is ir.PARTIAL_SUM:
         raise ValueError("this tensor holds per-device partial sums (FSDP no_sync); read it after "
                          "the step that reduces them.")
+    if node.op is not ir.DATA:
+        raise t._cell.error or RuntimeError("this tensor's value could not be computed")
     return node.payload
 
 
 def sync(wait: bool = False) -> None:
-    graph.sync(wait=wait)
+    execute.sync(wait=wait)
 
 
 def evaluate(nodes) -> list:
     """Computes ``nodes`` (a list of IR nodes) without binding the results to any tensor."""
-    return graph.evaluate(nodes)
+    return execute.evaluate(nodes)
 
 
 def to_cpu(t: XTensor) -> torch.Tensor:
     """``t``'s value as a CPU tensor (runs pending work first)."""
-    return graph.to_cpu(t)
+    return execute.to_cpu(t)
 
 
 def upload(cpu: torch.Tensor, jax_sharding=None) -> ir.Node:
     """A data node holding a copy of CPU tensor ``cpu`` laid out by ``jax_sharding`` (default:
     replicated on every device)."""
-    return graph.upload_node(cpu, jax_sharding)
+    return execute.upload_node(cpu, jax_sharding)
 
 
 def data_node(array, shape, dtype) -> ir.Node:
@@ -117,9 +152,9 @@ def data_node(array, shape, dtype) -> ir.Node:
 
 def constrain(node: ir.Node, annotation) -> ir.Node:
     """``node`` constrained to be laid out as ``annotation`` says at this point of the graph."""
-    return graph.constrain(node, annotation)
+    return ir.constrain(node, annotation.jax_sharding)
 
 
 def default_sharding():
     """The jax sharding of unannotated data: replicated over every device."""
-    return graph.default_sharding()
+    return execute.default_sharding()

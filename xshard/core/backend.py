@@ -11,19 +11,9 @@ import contextlib
 import torch
 import torch.utils.backend_registration as backend_registration
 
+from xshard.core import execute, rng
+
 DEVICE_TYPE = "xshard"
-
-
-def _rng():
-    from xshard.core import rng
-
-    return rng
-
-
-def _graph():
-    from xshard.core import graph
-
-    return graph
 
 
 class _Stream:
@@ -34,7 +24,7 @@ class _Stream:
     device_type = DEVICE_TYPE
 
     def synchronize(self) -> None:
-        _graph().wait_all()
+        execute.wait_all()
 
     def wait_stream(self, stream) -> None:
         pass
@@ -47,7 +37,18 @@ _STREAM = _Stream()
 
 
 class _DeviceModule:
-    """What ``torch.xshard`` answers (PyTorch asks it about seeds, availability and counts)."""
+    """What ``torch.xshard`` answers (PyTorch asks it about seeds, availability and counts).
+
+    ``_initialized`` and ``device()`` are what ``torch.utils.checkpoint`` looks for before it saves
+    and restores the device's RNG state around a recomputation (see [Note: the random stream]).
+    """
+
+    _initialized = True
+
+    @staticmethod
+    def device(index=None):
+        """Context manager selecting device ``index``: there is one logical device."""
+        return contextlib.nullcontext()
 
     @staticmethod
     def is_available() -> bool:
@@ -67,31 +68,31 @@ class _DeviceModule:
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
-        return False
+        return False  # seeding never touches the devices, so a forked child may seed freely
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:
-        _rng().manual_seed(seed)
+        rng.manual_seed(seed)
 
     @staticmethod
     def manual_seed(seed: int) -> None:
-        _rng().manual_seed(seed)
+        rng.manual_seed(seed)
 
     @staticmethod
     def get_rng_state(device=None) -> torch.Tensor:
-        return _rng().get_state()
+        return rng.get_state()
 
     @staticmethod
     def set_rng_state(state, device=None) -> None:
-        _rng().set_state(state)
+        rng.set_state(state)
 
     @staticmethod
     def initial_seed() -> int:
-        return _rng().initial_seed()
+        return rng.initial_seed()
 
     @staticmethod
     def synchronize(device=None) -> None:
-        _graph().sync(wait=True)
+        execute.sync(wait=True)
 
     @staticmethod
     def current_stream(device=None) -> _Stream:
@@ -124,3 +125,4 @@ def register_device_type() -> None:
 
 
 register_device_type()
+DEVICE = torch.device(DEVICE_TYPE, 0)

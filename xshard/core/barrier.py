@@ -10,59 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from xshard.core import graph, ir, runtime
-from xshard.core import tensor as xt
-from xshard.core.lowering import RULES
-from xshard.core.tensor import XTensor
+from xshard.core import ir, runtime
+from xshard.core.tensor import XTensor, new_base
 
-BARRIER = "xshard.optimization_barrier"
-# The same barrier for users that order their computation by data dependencies themselves
-# (``ordered_after``): it stops CSE but asks for no program order (see the note below).
-CSE_BARRIER = "xshard.cse_barrier"
-BARRIERS = (BARRIER, CSE_BARRIER)
-
-
-def _barrier_rule(*values):
-    return tuple(runtime.jax_module().lax.optimization_barrier(tuple(values)))
-
-
-RULES[BARRIER] = RULES[CSE_BARRIER] = _barrier_rule
-
-
-# [Note: barriers on the CPU backend]
-# XLA's CPU pipeline removes optimisation barriers before it schedules (the pass is named
-# ``cse_barrier_expander``: there a barrier only stops CSE), and its default concurrency-optimised
-# scheduler then starts every collective as early as its operands allow, so FSDP's all-gathers all
-# run at the start of the program, every unit's full parameters alive at once; the all-reduce
-# combiner also merges every gradient reduction (CPU reduces a gradient with an all-reduce and a
-# slice) into one at the end of backward, holding every full gradient. Measured on 8 virtual CPU
-# devices, 8 units of 2 MiB each: 32 MiB of temporaries per device with both, 2 MiB without.
-# A graph with a barrier asks for program order to hold, so it is compiled with the memory-minimising
-# scheduler (the XLA_FLAGS equivalent: --xla_cpu_enable_concurrency_optimized_scheduler=false) and
-# without that combiner. That scheduler keeps program order, which FSDP's gathers need, but it holds
-# more activations than the default one (a 6-block MLP's backward: 48 MiB of temporaries against
-# 28 MiB), so code that only needs one value computed after another uses ``ordered_after``. The
-# last CSE pass also runs after barriers are gone: activation checkpointing defends against it
-# itself (see xshard/fsdp/utils.py).
-# Code that carries its order in data dependencies (``ordered_after``) and needs a barrier only
-# against CSE uses ``program_order=False``: such a graph keeps the default scheduler, which frees
-# recomputed activations far better (FSDP with activation checkpointing, see
-# [Note: FSDP gathers ordered by data]), and only loses the combiner.
-def _barrier_compiler_options() -> dict:
-    if runtime.platform() != "cpu":
-        return {}
-    return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-            "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
-
-
-def _cse_barrier_compiler_options() -> dict:
-    if runtime.platform() != "cpu":
-        return {}
-    return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
-
-
-graph.OP_COMPILER_OPTIONS[BARRIER] = _barrier_compiler_options
-graph.OP_COMPILER_OPTIONS[CSE_BARRIER] = _cse_barrier_compiler_options
+BARRIER, CSE_BARRIER, BARRIERS = ir.BARRIER, ir.CSE_BARRIER, ir.BARRIERS
 
 
 def _barrier_node(tensors, op: str = BARRIER) -> ir.Node:
@@ -71,7 +22,7 @@ def _barrier_node(tensors, op: str = BARRIER) -> ir.Node:
             raise TypeError(f"optimization_barrier takes xshard tensors, got {type(t).__name__} "
                             f"on {getattr(t, 'device', None)}")
     values = tuple(t._value() for t in tensors)
-    slots = tuple(ir.Slot(i) for i in range(len(values)))
+    slots = tuple(ir.slot(i) for i in range(len(values)))
     return ir.Node(op, values, (slots, ()), outputs=tuple((v.shape, v.dtype) for v in values))
 
 
@@ -86,7 +37,7 @@ def optimization_barrier(tensors, *, program_order: bool = True) -> list:
     if not tensors:
         return []
     node = _barrier_node(tensors, BARRIER if program_order else CSE_BARRIER)
-    return [xt.new_base(ir.output_node(node, i)) for i in range(len(tensors))]
+    return [new_base(ir.output_node(node, i)) for i in range(len(tensors))]
 
 
 _ZERO = 0.0

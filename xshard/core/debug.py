@@ -8,11 +8,12 @@ Example:
 
 from __future__ import annotations
 
-from xshard.core import graph
+from xshard.core import compiler
+from xshard.core.graph import Graph
 from xshard.core.tensor import XTensor
 
 
-def _graph(tensors) -> "graph.Graph":
+def _graph(tensors) -> Graph:
     if isinstance(tensors, XTensor):
         tensors = [tensors]
     nodes = []
@@ -21,24 +22,24 @@ def _graph(tensors) -> "graph.Graph":
             raise TypeError(f"expected xshard tensors, got {type(t).__name__}; move it with "
                             f".to(xshard.device()) first")
         nodes.append(t._value())
-    return graph.Graph(nodes)
+    return Graph(nodes)
 
 
 def hlo_text(tensors) -> str:
     """HLO text of the graph computing ``tensors`` as handed to XLA (with sharding attributes)."""
-    return graph._lower(_graph(tensors)).as_text(dialect="hlo")
+    return compiler.lower(_graph(tensors)).as_text(dialect="hlo")
 
 
 def stablehlo_text(tensors) -> str:
     """The same program in StableHLO (with Shardy sharding attributes)."""
-    return graph._lower(_graph(tensors)).as_text()
+    return compiler.lower(_graph(tensors)).as_text()
 
 
 def compiled_hlo_text(tensors) -> str:
     """HLO text after XLA's passes, SPMD partitioning included (the collectives are visible)."""
-    return graph.compile_graph(_graph(tensors)).as_text()
+    return compiler.compile_graph(_graph(tensors)).as_text()
 
 
 def memory_analysis(tensors):
     """XLA's compiled memory statistics for the graph computing ``tensors`` (per device)."""
-    return graph.compile_graph(_graph(tensors)).memory_analysis()
+    return compiler.compile_graph(_graph(tensors)).memory_analysis()

@@ -1,4 +1,7 @@
-"""Kernels of the xshard device: factories called with ``device=xshard`` record nodes."""
+"""Kernels of the xshard device: factories called with ``device=xshard`` record nodes.
+
+``register()`` runs once, when xshard is imported.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,16 @@ import functools
 
 import torch
 
-from xshard.core import dispatch
-from xshard.core.tensor import DEVICE, XTensor
+from xshard.core import tensor
+from xshard.core.backend import DEVICE
+from xshard.core.tensor import XTensor
 
+FACTORIES = (
+    "empty.memory_format", "empty_strided", "full", "zeros", "ones", "arange.start_step",
+    "arange", "arange.start",
+    "eye", "eye.m", "linspace", "logspace", "rand", "randn", "randint", "randint.low",
+    "randperm", "scalar_tensor", "empty_like", "tril_indices", "triu_indices",
+)
 
 _LIB = None
 
@@ -18,12 +28,12 @@ def register() -> None:
     """Registers the factory kernels of the xshard device and tells torch.optim about XTensor."""
     global _LIB
     _LIB = torch.library.Library("aten", "IMPL")
-    for name in dispatch.FACTORIES:
+    for name in FACTORIES:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _LIB.impl(name, _factory_kernel(op), "PrivateUse1")
     # copy_ between devices with the Python key excluded (torch.tensor(data, device=...)).
-    _LIB.impl("_copy_from", dispatch.copy_from, "PrivateUse1")
+    _LIB.impl("_copy_from", tensor.copy_from, "PrivateUse1")
     # torch.optim picks its fast foreach implementation only for tensor types it knows.
     from torch.optim import optimizer
 
@@ -33,7 +43,7 @@ def register() -> None:
 
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
-        return dispatch.factory(op, args, kwargs)
+        return tensor.factory(op, args, kwargs)
     return kernel
 
 

@@ -1,20 +1,46 @@
-"""The lazy IR: one immutable node type.
+"""The lazy IR: one immutable node type, and every op a node can hold.
 
-A ``Node`` is one value of a lazy graph. Its ``op`` says how it is computed:
+A ``Node`` is one value of a lazy graph. Its ``op`` says how the value is computed, from ``inputs``
+(other nodes) and a static ``template``: the call's ``(args, kwargs)`` with each tensor or dynamic
+scalar replaced by a ``Slot`` into ``inputs``. ``shape``/``dtype`` describe the value; a node with
+several results has ``outputs``, one ``(shape, dtype)`` per result, instead, and ``OUTPUT`` nodes pick
+them. ``manual`` marks values inside a manual-sharding region (per-device shards, see xshard.spmd).
 
-- ``DATA``: device data. ``payload`` is a ``jax.Array`` (already computed, possibly still in flight).
-- ``SCALAR``: a Python scalar that enters the graph as an input, so a learning rate or loss scale that
-  changes every step does not change the program. ``payload`` is the Python value.
-- ``OUTPUT``: output ``template`` (an int) of the multi-output node ``inputs[0]``.
-- anything else: an aten ``OpOverload`` or an xshard op name (``"xshard.*"``), computed by its lowering
-  rule from ``inputs`` and the static arguments in ``template`` (the call's args and kwargs with each
-  tensor or dynamic scalar replaced by a ``Slot`` into ``inputs``).
+The ops, all of them (each computed op has exactly one lowering rule, in xshard.core.lowering):
 
-``manual`` marks values inside a manual-sharding region (per-device shards, see xshard.spmd).
+=========================  =========================================================================
+op                         meaning
+=========================  =========================================================================
+``DATA``                   device data: ``payload`` is a ``jax.Array`` (maybe in flight), or under
+                           ``compile_only()`` a ``jax.ShapeDtypeStruct``; ``sharding`` its layout
+``SCALAR``                 a scalar that enters the graph as an input, so a value that changes every
+                           step (a learning rate, an RNG counter) does not change the program;
+                           ``payload`` is the Python value; weak (a Python number: promotes like one)
+                           or strong (a 0-dim CPU tensor of ``dtype``), see ``scalar_node``
+``OUTPUT``                 result ``template`` (an int) of the multi-output node ``inputs[0]``
+an aten ``OpOverload``     the aten op, from inputs and static arguments
+=========================  =========================================================================
 
-``shape``/``dtype`` describe the value (for a multi-output node, ``outputs`` lists one ``(shape, dtype)``
-per output instead). ``key`` is the node's own part of a graph's cache key (see [Note: exact keys]),
-computed once, at construction.
+xshard's own ops (strings, ``"xshard.*"``):
+
+=========================  =========================================================================
+``RNG_KEY``                threefry key data for one random op: the stream's seed and counter (two
+                           scalars) folded into a key (see xshard.core.rng)
+``CONSTRAIN``              the input, laid out as the jax sharding in the template says at this point
+``SHARD_OUTPUT``           the input padded to the template's shape, laid out as its sharding: how
+                           an annotated result leaves a graph (jax.Array refuses uneven shardings)
+``PARTIAL_SUM``            the sum over the leading dimension of its input, one row per device: a
+                           value kept unreduced until a graph reads it (FSDP's ``no_sync``)
+``PER_DEVICE``             an op run per block of the batch under ``vmap``, giving one row per device
+                           (how ``no_sync`` gradients become partial sums; see xshard.fsdp.partial)
+``FIRST_ROW``              the input in row 0 of ``n`` rows, zeros elsewhere
+``BARRIER``                its inputs behind an optimisation barrier, in program order
+``CSE_BARRIER``            the same, asking only that XLA not merge computation across it
+``MANUAL_ENTER``           the local shard of its input: opens a manual-sharding region
+``MANUAL_REGION``          a closed region: its subgraph run per device by ``jax.shard_map``
+``ALL_REDUCE`` ...         the collectives inside a region: ``ALL_REDUCE``, ``ALL_GATHER``,
+                           ``REDUCE_SCATTER``, ``ALL_TO_ALL``, ``PPERMUTE`` over named mesh axes
+=========================  =========================================================================
 
 [Note: exact keys]
 Two graphs may share an executable only if they are the same program. A node's ``key`` is a small
@@ -24,7 +50,8 @@ CPython ``hash(-1) == hash(-2)``), nor can plain equality (``1 == 1.0 == True``,
 ``nan != nan``). So every static scalar is compared with its type, floats by their exact bits
 (``float.hex``), lists apart from tuples; other static values (dtypes, strings, slots, shardings)
 compare by their own ``==`` together with their type. Data contributes shape, dtype and sharding;
-a Python scalar input its type.
+a scalar input its type, dtype and weakness. The recorder interns a node's key together with its
+meta-kernel result (one lookup per op, see xshard.core.record); other nodes compute it here.
 """
 
 from __future__ import annotations
@@ -32,10 +59,32 @@ from __future__ import annotations
 import torch
 
 DATA = "xshard.data"
-MANUAL_ENTRY: set = set()  # ops that start a manual region (see xshard.spmd.manual)
-MANUAL_EXIT: set = set()  # ops that close one
 SCALAR = "xshard.scalar"
 OUTPUT = "xshard.output"
+
+RNG_KEY = "xshard.rng_key"
+CONSTRAIN = "xshard.sharding_constraint"
+SHARD_OUTPUT = "xshard.shard_output"
+PARTIAL_SUM = "xshard.partial_sum"
+PER_DEVICE = "xshard.per_device"
+FIRST_ROW = "xshard.first_row"
+BARRIER = "xshard.optimization_barrier"
+CSE_BARRIER = "xshard.cse_barrier"
+MANUAL_ENTER = "xshard.manual_enter"
+MANUAL_REGION = "xshard.manual_region"
+ALL_REDUCE = "xshard.all_reduce"
+ALL_GATHER = "xshard.all_gather"
+REDUCE_SCATTER = "xshard.reduce_scatter"
+ALL_TO_ALL = "xshard.all_to_all"
+PPERMUTE = "xshard.ppermute"
+
+# Ops the graph interpreter handles itself (no lowering rule).
+STRUCTURAL = (DATA, SCALAR, OUTPUT)
+# xshard's computed ops; each has a rule in xshard.core.lowering.xshard_ops.
+XSHARD_OPS = (RNG_KEY, CONSTRAIN, SHARD_OUTPUT, PARTIAL_SUM, PER_DEVICE, FIRST_ROW, BARRIER,
+              CSE_BARRIER, MANUAL_ENTER, MANUAL_REGION, ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER,
+              ALL_TO_ALL, PPERMUTE)
+BARRIERS = (BARRIER, CSE_BARRIER)
 
 
 class Slot:
@@ -56,12 +105,20 @@ class Slot:
         return f"%{self.index}"
 
 
+_SLOTS = [Slot(i) for i in range(64)]
+
+
+def slot(index: int) -> Slot:
+    """The (shared, immutable) ``Slot`` for input ``index``."""
+    return _SLOTS[index] if index < 64 else Slot(index)
+
+
 class Node:
     __slots__ = ("op", "inputs", "template", "shape", "dtype", "outputs", "payload", "sharding",
-                 "key", "manual")
+                 "key", "manual", "holders")
 
     def __init__(self, op, inputs=(), template=None, shape=None, dtype=None, outputs=None,
-                 payload=None, sharding=None):
+                 payload=None, sharding=None, key=None):
         self.op = op
         self.inputs = inputs
         self.template = template
@@ -69,23 +126,22 @@ class Node:
         self.dtype = dtype
         self.outputs = outputs
         self.payload = payload
-        # DATA: the jax sharding of the payload. Others: a sharding constraint to apply to the value,
-        # an opaque object with a ``jax_sharding`` attribute and a ``key`` (see spmd).
-        self.sharding = sharding
-        if op is DATA:
-            local = (DATA, shape, dtype, sharding)
-        elif op is SCALAR:
-            local = (SCALAR, type(payload))
-        else:
-            local = (op, exact(template), shape, dtype, exact(outputs))
-        key = _KEYS.get(local)
+        self.sharding = sharding  # DATA only: the jax sharding of the payload
         if key is None:
-            key = _KEYS[local] = len(_KEYS)
+            key = intern_key(_local(op, template, shape, dtype, outputs, payload, sharding))
         self.key = key
-        # Inside a manual-sharding region (per-device values): such a value can only leave the
-        # region through its closing op, never become a graph output on its own.
-        self.manual = op in MANUAL_ENTRY or (op not in MANUAL_EXIT and any(
-            i.manual for i in inputs))
+        # A value inside a manual-sharding region can leave it only through MANUAL_REGION.
+        if op is MANUAL_ENTER:
+            self.manual = True
+        elif op is MANUAL_REGION:
+            self.manual = False
+        else:
+            manual = False
+            for i in inputs:
+                if i.manual:
+                    manual = True
+                    break
+            self.manual = manual
 
     @property
     def is_data(self) -> bool:
@@ -99,17 +155,33 @@ class Node:
         return f"Node({self.op}, {len(self.inputs)} inputs)"
 
 
-# Interned node keys: type-tagged static part -> small int (see [Note: exact keys]).
+def _local(op, template, shape, dtype, outputs, payload, sharding):
+    if op is DATA:
+        return (DATA, shape, dtype, sharding)
+    if op is SCALAR:
+        return (SCALAR, type(payload), dtype, template)
+    return (op_code(op), exact(template), shape, dtype, exact(outputs))
+
+
+# [Note: exact keys] interned: type-tagged static part -> small int.
 _KEYS: dict = {}
+
+
+def intern_key(local) -> int:
+    """The small integer naming ``local``, a key already in exact form (see ``exact``)."""
+    key = _KEYS.get(local)
+    if key is None:
+        key = _KEYS[local] = len(_KEYS)
+    return key
 
 
 def exact(x):
     """``x`` in a form whose ``==`` holds only between values of the same type and bits."""
     t = type(x)
-    if t is tuple:
-        return tuple([exact(v) for v in x])
     if t is Slot or x is None or t is str:
         return x
+    if t is tuple:
+        return tuple([exact(v) for v in x])
     if t is float:
         return (float, x.hex())
     if t is list:
@@ -121,15 +193,34 @@ def exact(x):
     return (t, x)
 
 
+# Aten overloads as small integers, keyed by identity: an OpOverload's own __hash__ is a Python
+# method, too slow to run several times per recorded op.
+_OP_CODES: dict = {}
+_OPS_BY_CODE: list = []
+
+
+def op_code(op):
+    """A small integer naming aten overload ``op`` (xshard's string ops name themselves)."""
+    if type(op) is str:
+        return op
+    code = _OP_CODES.get(id(op))
+    if code is None:
+        code = _OP_CODES[id(op)] = len(_OPS_BY_CODE)
+        _OPS_BY_CODE.append(op)  # held: its id stays its own
+    return code
+
+
 def data_node(array, shape, dtype, sharding=None) -> Node:
     """A node holding device data; ``shape`` is the logical (unpadded) shape."""
     if sharding is not None:
         sharding = _representative(sharding, len(shape))
-    return Node(DATA, shape=tuple(shape), dtype=dtype, payload=array, sharding=sharding)
+    node = Node(DATA, shape=tuple(shape), dtype=dtype, payload=array, sharding=sharding)
+    node.holders = 0  # cells holding this data (see [Note: pending cells and held data])
+    return node
 
 
 # Equivalent jax shardings (a NamedSharding and the GSPMDSharding XLA hands back for the same
-# layout) hash differently; a data node keeps one representative per layout so that the graph key,
+# layout) compare unequal; a data node keeps one representative per layout so that the graph key,
 # and with it the executable cache, does not change between steps that lay data out the same way.
 _REPRESENTATIVES: dict = {}
 _BY_LAYOUT: dict = {}
@@ -148,14 +239,38 @@ def _representative(sharding, ndim: int):
     return rep
 
 
-def scalar_node(value) -> Node:
-    return Node(SCALAR, payload=value, shape=(), dtype=_SCALAR_DTYPES[type(value)])
+_WEAK_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64,
+                complex: torch.complex128}
+
+
+def scalar_node(value, dtype=None) -> Node:
+    """A scalar graph input. Without ``dtype``: a Python number, weakly typed (it promotes like a
+    Python scalar). With ``dtype``: the value of a 0-dim CPU tensor, strongly typed."""
+    if dtype is None:
+        return Node(SCALAR, payload=value, shape=(), dtype=_WEAK_DTYPES[type(value)],
+                    template="weak")
+    return Node(SCALAR, payload=value, shape=(), dtype=dtype, template="strong")
 
 
 def output_node(multi: Node, index: int) -> Node:
     shape, dtype = multi.outputs[index]
-    return Node(OUTPUT, (multi,), index, shape, dtype)
+    return Node(OUTPUT, (multi,), index, shape, dtype,
+                key=intern_key((OUTPUT, index, shape, dtype)))
 
 
-_SCALAR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64,
-                  complex: torch.complex128}
+def constrain(value: Node, jax_sharding) -> Node:
+    """``value`` laid out as ``jax_sharding`` says at this point of the graph."""
+    return Node(CONSTRAIN, (value,), ((slot(0), jax_sharding), ()), value.shape, value.dtype)
+
+
+def shard_output(value: Node, padded_shape: tuple, jax_sharding) -> Node:
+    """``value`` padded to ``padded_shape`` and laid out as ``jax_sharding``: how an annotated
+    result leaves a graph."""
+    return Node(SHARD_OUTPUT, (value,), ((slot(0), padded_shape, jax_sharding), ()),
+                padded_shape, value.dtype)
+
+
+def partial_sum(rows: Node, jax_sharding) -> Node:
+    """The sum over the leading dimension of ``rows``, each row kept on its own device(s) under
+    ``jax_sharding`` until a graph reads the sum."""
+    return Node(PARTIAL_SUM, (rows,), ((slot(0), jax_sharding), ()), rows.shape[1:], rows.dtype)

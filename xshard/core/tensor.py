@@ -1,147 +1,34 @@
-"""The xshard tensor: a PyTorch wrapper subclass on the xshard device whose value is a lazy IR node.
+"""The xshard tensor, and the dispatcher: what ``XTensor.__torch_dispatch__`` does with an aten call.
 
-[Note: cells and views]
-Every base tensor owns a ``Cell``: the current value (a ``Node``) of its whole data, and a version that
-counts writes. A view shares its base's cell and records the chain of view ops (``ViewStep``) that lead
-from the cell's value to its own. Reading a view replays the chain on the cell's current value (cached
-per version); writing a view replays it to get each parent's value and then scatters the new value
-back up the chain (``slice_scatter``, ``select_scatter``, an inverse permute, ...). So a mutation
-through any view, or a view of a view, is seen by the base and by every other view of it, exactly as
-in eager PyTorch, while the IR stays purely functional.
+The path of one call (its route comes from the op's facts, xshard.core.ops):
+
+1. special ops (copies, transfers, reads, aliases, in-place view ops) have their own handler;
+2. ops that write an argument (``add_``, ``out=``, running-stat updates) are computed through their
+   functional twin, and the result is written into the argument (xshard.core.record);
+3. view ops make a tensor sharing the base's cell, one view step further (xshard.core.cells);
+4. functional ops with a lowering rule become a node (xshard.core.record);
+5. ops without a rule run PyTorch's own decomposition for them, which records simpler ops;
+6. as a last resort an op runs eagerly on CPU (xshard.core.fallback).
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
-import weakref
 
 import torch
 
-from xshard.core import ir
-from xshard.core.backend import DEVICE_TYPE
-DEVICE = torch.device(DEVICE_TYPE, 0)
+from xshard.core import ir, ops, record, transfer
+from xshard.core.backend import DEVICE
+from xshard.core.cells import Cell, LazyTensor, contiguous_strides
+from xshard.core.execute import to_cpu
+from xshard.core.fallback import cpu_fallback
 
 aten = torch.ops.aten
 
 
-class Cell:
-    """The storage of a base tensor: its current value and a write counter."""
-
-    __slots__ = ("value", "version", "sharding", "seq", "error", "source", "__weakref__")
-
-    def __init__(self, value: ir.Node, sharding=None):
-        self.value = value
-        self.version = 0
-        # Creation order: a sync lists its outputs in this order, so the same program gives the
-        # same graph (and cache key) every step.
-        self.seq = next(_CELL_SEQ)
-        # A sharding annotation (opaque to core; see xshard.spmd). Outputs of a sync keep it.
-        self.sharding = sharding
-        # The error that compiling this cell's pending value raised: a sync then leaves the cell
-        # out (so one bad tensor does not block every later step); reading it raises again.
-        self.error = None
-        # The device data node this cell held before its current pending value: the input a sync
-        # reads for it (xshard.memory attributes graph inputs to parameters and optimizer state
-        # by it). None while the value is data, or pending from the start.
-        self.source = None
-        LIVE_CELLS.add(self)
-
-    def write(self, value: ir.Node) -> None:
-        if value.is_data:
-            self.source = None
-        elif self.value.is_data:
-            self.source = self.value
-        self.value = value
-        self.version += 1
-        self.error = None
-
-
-_CELL_SEQ = itertools.count()
-# Every cell some tensor still references; a sync computes the pending ones.
-LIVE_CELLS: "weakref.WeakSet[Cell]" = weakref.WeakSet()
-
-
-class ViewStep:
-    """One view op of a chain: ``op`` applied to the parent (``Slot(0)``) with static ``template``.
-
-    ``template`` has the node form ``(args, kwargs)``; the parent is always ``args[0]``.
-    """
-
-    __slots__ = ("op", "template", "shape", "dtype", "parent_shape")
-
-    def __init__(self, op, template, shape, dtype, parent_shape):
-        self.op = op
-        self.template = template
-        self.shape = shape
-        self.dtype = dtype
-        self.parent_shape = parent_shape
-
-    def apply(self, parent: ir.Node) -> ir.Node:
-        return ir.Node(self.op, (parent,), self.template, self.shape, self.dtype)
-
-    def scatter(self, parent: ir.Node, value: ir.Node) -> ir.Node:
-        """The parent's new value after ``value`` is written into this view of it."""
-        rule = _SCATTER.get(self.op)
-        if rule is None:
-            raise NotImplementedError(
-                f"xshard cannot write through a view made by {self.op}; clone the view first "
-                f"(e.g. y = x.{self.op.__name__.split('.')[0]}(...).clone())."
-            )
-        return rule(self, parent, value)
-
-
-def _reshape_back(step, parent, value):
-    return ir.Node(aten.view.default, (value,), ((ir.Slot(0), tuple(parent.shape)), ()),
-                   parent.shape, parent.dtype)
-
-
-def _scatter_with(op):
-    def rule(step, parent, value):
-        static = step.template[0][1:]
-        return ir.Node(op, (parent, value), ((ir.Slot(0), ir.Slot(1), *static), ()),
-                       parent.shape, parent.dtype)
-    return rule
-
-
-def _permute_back(step, parent, value):
-    dims = [d % len(step.shape) for d in step.template[0][1]]
-    inverse = tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
-    return ir.Node(aten.permute.default, (value,), ((ir.Slot(0), inverse), ()), parent.shape,
-                   parent.dtype)
-
-
-def _transpose_back(step, parent, value):
-    return ir.Node(step.op, (value,), step.template, parent.shape, parent.dtype)
-
-
-_SCATTER = {
-    aten.view.default: _reshape_back,
-    aten._reshape_alias.default: _reshape_back,
-    aten.alias.default: _reshape_back,
-    aten.detach.default: _reshape_back,
-    aten.lift_fresh.default: _reshape_back,
-    aten.unsqueeze.default: _reshape_back,
-    aten.squeeze.default: _reshape_back,
-    aten.squeeze.dim: _reshape_back,
-    aten.squeeze.dims: _reshape_back,
-    aten.select.int: _scatter_with(aten.select_scatter.default),
-    aten.slice.Tensor: _scatter_with(aten.slice_scatter.default),
-    aten.diagonal.default: _scatter_with(aten.diagonal_scatter.default),
-    aten.as_strided.default: _scatter_with(aten.as_strided_scatter.default),
-    aten.permute.default: _permute_back,
-    aten.transpose.int: _transpose_back,
-    aten.t.default: _transpose_back,
-}
-
-
-class XTensor(torch.Tensor):
-    """A tensor on the xshard device. Its value is ``self._cell.value`` seen through ``self._chain``."""
-
-    _cell: Cell
-    _chain: tuple
-    _cache: ir.Node | None
-    _cache_version: int
+class XTensor(LazyTensor):
+    """A tensor on the xshard device. Its value is ``self._cell.value`` seen through ``self._chain``
+    (see [Note: cells and views] in xshard.core.cells)."""
 
     @staticmethod
     def __new__(cls, cell: Cell, chain: tuple, shape, stride, dtype, requires_grad=False,
@@ -158,43 +45,12 @@ class XTensor(torch.Tensor):
     def __init__(self, *args, **kwargs):
         pass
 
-    # -- values ---------------------------------------------------------------------------------
-
-    def _value(self) -> ir.Node:
-        """The IR node of this tensor's current value."""
-        cell = self._cell
-        if not self._chain:
-            return cell.value
-        if self._cache_version != cell.version:
-            node = cell.value
-            for step in self._chain:
-                node = step.apply(node)
-            self._cache = node
-            self._cache_version = cell.version
-        return self._cache
-
-    def _assign(self, value: ir.Node) -> None:
-        """Writes ``value`` (same shape and dtype as self) into this tensor, through its views."""
-        cell = self._cell
-        if self._chain:
-            parents = [cell.value]
-            for step in self._chain[:-1]:
-                parents.append(step.apply(parents[-1]))
-            for step, parent in zip(reversed(self._chain), reversed(parents)):
-                value = step.scatter(parent, value)
-        cell.write(value)
-
-    # -- PyTorch protocol -------------------------------------------------------------------------
-
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        return dispatch(func, args, kwargs or {})
 
     def __repr__(self, *, tensor_contents=None):
-        from xshard.core import graph
-
-        cpu = graph.to_cpu(self)
-        text = repr(cpu)
+        text = repr(to_cpu(self))
         suffix = f", device='{self.device}'"
         if text.endswith(")"):
             text = text[:-1] + suffix + ")"
@@ -204,9 +60,7 @@ class XTensor(torch.Tensor):
 
     def tolist(self):
         # PyTorch's C tolist() refuses tensor subclasses; read the value and convert on the host.
-        from xshard.core import graph
-
-        return graph.to_cpu(self).tolist()
+        return to_cpu(self).tolist()
 
     def numpy(self, *, force: bool = False):
         if not force:
@@ -241,19 +95,13 @@ class XTensor(torch.Tensor):
         cell, chain, dtype = ctx
         return XTensor(cell, chain, outer_size, outer_stride, dtype)
 
+    # [Note: saving device tensors] As PyTorch saves a tensor of a storage-less PrivateUse1 device:
+    # its CPU copy under PyTorch's own rebuild function, which weights_only loading allows and which
+    # honours map_location. The file needs no xshard to load with map_location="cpu", and loads
+    # onto the xshard device where xshard is installed.
     def __reduce_ex__(self, protocol):
-        from xshard.core import graph
-
-        return (_rebuild, (graph.to_cpu(self), self.requires_grad))
-
-
-def _rebuild(cpu_tensor, requires_grad):
-    return cpu_tensor.to(DEVICE).requires_grad_(requires_grad)
-
-
-def _dispatch(func, args, kwargs):
-    # Bound at import of xshard.core.dispatch (which imports this module).
-    raise RuntimeError("xshard.core.dispatch was not imported")
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (to_cpu(self), self.dtype, str(self.device), self.requires_grad))
 
 
 def new_base(value: ir.Node, stride=None, requires_grad=False, sharding=None) -> XTensor:
@@ -263,10 +111,144 @@ def new_base(value: ir.Node, stride=None, requires_grad=False, sharding=None) ->
     return XTensor(Cell(value, sharding), (), value.shape, stride, value.dtype, requires_grad)
 
 
-def contiguous_strides(shape) -> tuple:
-    strides = []
-    acc = 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
+def _wrap(spec, node):
+    kind = spec[0]
+    if kind == "t":
+        return new_base(node, spec[2])
+    if kind == "seq":
+        return spec[1]([new_base(ir.output_node(node, i), o[2]) if o[0] == "t" else o[1]
+                        for i, o in enumerate(spec[2])])
+    return spec[1]
+
+
+# -- the dispatcher ---------------------------------------------------------------------------------
+
+
+def dispatch(func, args, kwargs):
+    f = ops.facts(func)
+    route = f.route
+    if route is ops.RECORD:
+        try:
+            spec, node = record.record(func, f, args, kwargs)
+        except record.NoMeta:
+            return _fallback(func, args, kwargs)
+        out = _wrap(spec, node)
+        if f.inherit_sharding:
+            _inherit_sharding(args[0], out)
+        return out
+    if route is ops.VIEW:
+        return _view(func, f, args, kwargs)
+    if route is ops.MUTATING:
+        out = record.mutate(func, f, args, kwargs)
+        return _fallback(func, args, kwargs) if out is NotImplemented else out
+    if route is ops.SPECIAL:
+        return _SPECIAL[id(func)](func, args, kwargs)
+    if route is ops.COMPOSITE:
+        # Composite ops reach us when called from inside a decomposition; run their definition.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    if f.decomposition is not None:
+        out = f.decomposition(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    return _fallback(func, args, kwargs)
+
+
+def _fallback(func, args, kwargs):
+    return cpu_fallback(func, args, kwargs, new_base)
+
+
+def _inherit_sharding(source, out):
+    """Copies and same-shaped peers (``clone``, ``zeros_like``) keep their input's annotation."""
+    if isinstance(source, XTensor) and isinstance(out, XTensor):
+        if source._cell.sharding is not None and not source._chain:
+            out._cell.sharding = source._cell.sharding
+
+
+def _view(func, f, args, kwargs):
+    made = record.view_steps(func, f, args, kwargs)
+    if made is None:  # a view op with a tensor-valued static argument: recorded as a value
+        spec, node = record.record(func, f, args, kwargs)
+        return _wrap(spec, node)
+    made, spec = made
+    base = args[0]
+    if spec[0] == "t":
+        return _make_view(base, made, spec, func is not aten.as_strided.default)
+    return spec[1]([_make_view(base, step, o, True) for step, o in made])
+
+
+def _make_view(base: XTensor, step, spec, relative: bool) -> XTensor:
+    _, shape, stride, dtype, offset = spec
+    if relative:
+        # The meta kernel saw the parent at offset 0; as_strided's offset is absolute already.
+        offset += base.storage_offset()
+    return XTensor(base._cell, base._chain + (step,), shape, stride, dtype, storage_offset=offset)
+
+
+def _alias(func, args, kwargs):
+    t = args[0]
+    return XTensor(t._cell, t._chain, t.shape, t.stride(), t.dtype,
+                   storage_offset=t.storage_offset())
+
+
+def _copy_(func, args, kwargs):
+    return transfer.copy_(args[0], args[1])
+
+
+def copy_from(src, dst, non_blocking=False):
+    """Kernel of ``aten::_copy_from`` for the xshard device.
+
+    ``copy_`` reaches it when the Python dispatch key is excluded, e.g. inside
+    ``torch.tensor(data, device=xshard.device())``, which copies the host data into an empty
+    device tensor.
+    """
+    return transfer.copy_(dst, src)
+
+
+def _to_copy(func, args, kwargs):
+    out = transfer.to_copy(args[0], kwargs)
+    if isinstance(out, torch.Tensor):
+        return out
+    value, stride, annotation = out
+    return new_base(value, stride, sharding=annotation)
+
+
+def _restride_(func, args, kwargs):
+    """In-place view ops (``squeeze_``, ``t_``, ``as_strided_``...) change the tensor's own shape.
+
+    The tensor becomes the view its functional twin makes (same cell, one more view step), and its
+    sizes and strides are set to the view's, as the CPU kernel does.
+    """
+    self = args[0]
+    twin = ops.facts(func).functional
+    view = getattr(twin, func._overloadname, None) or twin
+    out = view(*args, **kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        aten.as_strided_.default(self, out.shape, out.stride(), out.storage_offset())
+    self._cell, self._chain, self._cache_version = out._cell, out._chain, -1
+    return self
+
+
+def factory(func, args, kwargs):
+    """Kernel for factory ops called with ``device=xshard``: a node, no data transfer."""
+    node, stride = record.factory(func, args, kwargs)
+    return new_base(node, stride)
+
+
+_SPECIAL = {id(op): handler for op, handler in {
+    aten.copy_.default: _copy_,
+    aten._to_copy.default: _to_copy,
+    aten._local_scalar_dense.default: lambda f, a, k: transfer.item(a[0]),
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.lift_fresh.default: _alias,
+    aten._has_compatible_shallow_copy_type.default: lambda f, a, k: True,
+    aten.is_pinned.default: lambda f, a, k: False,
+    aten.record_stream.default: lambda f, a, k: None,
+    aten.squeeze_.default: _restride_, aten.squeeze_.dim: _restride_,
+    aten.squeeze_.dims: _restride_, aten.unsqueeze_.default: _restride_,
+    aten.transpose_.default: _restride_, aten.t_.default: _restride_,
+    aten.swapdims_.default: _restride_, aten.swapaxes_.default: _restride_,
+    aten.as_strided_.default: _restride_,
+}.items()}  # aten overloads live as long as torch: their ids stay their own

@@ -30,10 +30,14 @@ import warnings
 import torch
 import torch.nn as nn
 
-from xshard.core import graph, partial, runtime
-from xshard.core import tensor as xt
+from xshard.core import api as core
+from xshard.core import ir, runtime
+from xshard.core.backend import DEVICE
 from xshard.core.barrier import optimization_barrier, ordered_after
+from xshard.core.record import convert
 from xshard.core.tensor import XTensor
+from xshard.fsdp import partial
+from xshard.fsdp.state_dict import full_state_dict, sharded_state_dict, to_full
 from xshard.fsdp.mixed_precision import MixedPrecision
 from xshard.fsdp.wrap import select_units
 from xshard.mesh import Mesh, get_1d_mesh, get_global_mesh
@@ -173,20 +177,14 @@ class FSDP:
 
     def state_dict(self, *args, **kwargs):
         """Full tensors on CPU under the original names (use ``sharded_state_dict`` for shards)."""
-        from xshard.fsdp.state_dict import full_state_dict
-
         return full_state_dict(self, super().state_dict(*args, **kwargs))
 
     def sharded_state_dict(self) -> dict:
         """Each parameter/buffer as its local shards (CPU) plus what is needed to reassemble it."""
-        from xshard.fsdp.state_dict import sharded_state_dict
-
         return sharded_state_dict(self, nn.Module.state_dict(self))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a full or a sharded state dict, saved on any number of devices."""
-        from xshard.fsdp.state_dict import to_full
-
         return super().load_state_dict(to_full(state_dict), strict=strict)
 
 
@@ -236,16 +234,13 @@ def _shard_parameters(root: nn.Module, mesh: Mesh, on_dim_0: bool, mp: MixedPrec
     def move(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, nn.Parameter) or getattr(t, "_is_param", False):
             if isinstance(t, XTensor):
-                if t._cell.sharding is None:
+                if core.annotation(t) is None:
                     spmd_api.mark_sharding(t, mesh, _spec(param_annotation(t, mesh, on_dim_0)))
                 return t
             annotation = param_annotation(t, mesh, on_dim_0)
             source = t.detach() if t.device.type == "meta" else t.detach().cpu()
-            node = spmd_api.upload_sharded(source, annotation)
-            out = xt.new_base(node)
-            out._cell.sharding = annotation
-            return out
-        out = t.to(xt.DEVICE)
+            return core.new_tensor(spmd_api.upload_sharded(source, annotation), annotation)
+        out = t.to(DEVICE)
         if mp is not None and mp.buffer_dtype is not None and out.is_floating_point():
             out = out.to(mp.buffer_dtype)
         return out
@@ -255,9 +250,7 @@ def _shard_parameters(root: nn.Module, mesh: Mesh, on_dim_0: bool, mp: MixedPrec
     # Gradients that reach a parameter outside its unit's gather (a tied weight read by a module of
     # another unit) still end up sharded like the parameter.
     for p in root.parameters():
-        if p.requires_grad and not getattr(p, "_xshard_grad_hook", False):
-            p.register_post_accumulate_grad_hook(spmd_api._grad_like_param)
-            p._xshard_grad_hook = True
+        spmd_api.grads_like_param(p)
 
 
 def _spec(annotation: sh.Annotation) -> tuple:
@@ -301,7 +294,7 @@ class _Unit:
             return None
         self.state = TrainingState.FORWARD
         args, kwargs = self.gather(args, kwargs)
-        self.gathered_cells = {m._parameters[name]._cell: i for m, name, i in self.slots}
+        self.gathered_cells = {core.storage(m._parameters[name]): i for m, name, i in self.slots}
         self.backward_gathered = None
         if self.root._fsdp_reshard and torch.is_grad_enabled():
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -345,10 +338,9 @@ class _Unit:
 
     def pack(self, t):
         if isinstance(t, XTensor):
-            index = self.gathered_cells.get(t._cell)
+            index = self.gathered_cells.get(core.storage(t))
             if index is not None:
-                return _Regather(index, t._chain, tuple(t.shape), t.stride(), t.dtype,
-                                 t.storage_offset())
+                return _Regather(index, core.view_spec(t))
         return t
 
     def unpack(self, saved):
@@ -356,9 +348,7 @@ class _Unit:
             return saved
         if self.backward_gathered is None:
             self.gather_for_backward(())
-        base = self.backward_gathered[saved.index]
-        return XTensor(base._cell, saved.chain, saved.shape, saved.stride, saved.dtype,
-                       storage_offset=saved.offset)
+        return core.view_of(self.backward_gathered[saved.index], saved.view)
 
     def pre_backward(self, module, grad_output):
         self.state = TrainingState.PRE_BACKWARD
@@ -397,20 +387,17 @@ class _Regather:
     """What a unit saves for backward instead of a gathered parameter (see [Note: FSDP as
     annotations])."""
 
-    __slots__ = ("index", "chain", "shape", "stride", "dtype", "offset")
+    __slots__ = ("index", "view")
 
-    def __init__(self, index, chain, shape, stride, dtype, offset):
-        self.index, self.chain, self.shape = index, chain, shape
-        self.stride, self.dtype, self.offset = stride, dtype, offset
+    def __init__(self, index, view):
+        self.index, self.view = index, view
 
 
 def _gathered_tensor(sharded: XTensor, replicated: sh.Annotation, mp) -> XTensor:
-    value = sharded._value()
+    value = core.value(sharded)
     if mp is not None and mp.param_dtype is not None and value.dtype != mp.param_dtype:
-        from xshard.core.dispatch import convert
-
         value = convert(value, mp.param_dtype)
-    return xt.new_base(graph.constrain(value, replicated))
+    return core.new_tensor(core.constrain(value, replicated))
 
 
 class _GatherForward(torch.autograd.Function):
@@ -450,7 +437,7 @@ class _GatherForward(torch.autograd.Function):
             if rows is not None:  # sum what no_sync accumulated with this step's, in one reduction
                 param.grad = None
                 g = _partial_grad(root, rows + _grad_rows(root, g, rows.dtype))
-            g = spmd_api._constrained(g, param._cell.sharding)
+            g = spmd_api.constrained(g, core.annotation(param))
             out.append(g.to(ctx.param_dtypes[i]))
         if root._fsdp_sync_grads and not root._fsdp_grads_queued:
             root._fsdp_grads_queued = True
@@ -461,7 +448,7 @@ class _GatherForward(torch.autograd.Function):
 
 # [Note: no_sync as per-device rows]
 # Under no_sync a parameter's gradient is not reduced: each device keeps the part of it that its own
-# block of the batch contributes (see xshard.core.partial), and param.grad holds the rows as a
+# block of the batch contributes (see xshard.fsdp.partial), and param.grad holds the rows as a
 # partial sum (one full-size gradient per device, as PyTorch FSDP's no_sync keeps). Later micro-steps
 # add their rows in place; the first backward outside no_sync adds its own rows and reduces the
 # total once, to the parameter's sharding. Anything else that reads the gradient meanwhile (the
@@ -490,21 +477,23 @@ def _batch_dims(root: FSDP) -> partial.BatchDims:
 
 
 def _grad_rows(root: FSDP, g: XTensor, dtype: torch.dtype) -> XTensor:
-    rows = partial.per_device_rows(g._value(), _batch_dims(root), _rows_sharding(root, g.dim()))
-    rows = xt.new_base(rows)
+    rows = partial.per_device_rows(core.value(g), _batch_dims(root),
+                                   _rows_sharding(root, g.dim()))
+    rows = core.new_tensor(rows)
     return rows if rows.dtype == dtype else rows.to(dtype)
 
 
 def _partial_grad(root: FSDP, rows: XTensor) -> XTensor:
     sharding = _rows_sharding(root, rows.dim() - 1)
-    return xt.new_base(graph.partial_sum(rows._value(), sharding))
+    return core.new_tensor(ir.partial_sum(core.value(rows), sharding))
 
 
 def _rows_of(grad) -> XTensor | None:
     """The per-device rows of a gradient accumulated under no_sync, or None."""
-    if not isinstance(grad, XTensor) or grad._chain or grad._cell.value.op != graph.PARTIAL_SUM:
+    if not isinstance(grad, XTensor) or core.is_view(grad):
         return None
-    return xt.new_base(grad._cell.value.inputs[0])
+    value = core.value(grad)
+    return core.new_tensor(value.inputs[0]) if value.op is ir.PARTIAL_SUM else None
 
 
 def _accumulate_rows(root: FSDP, param: nn.Parameter, g: XTensor) -> None:
@@ -515,7 +504,7 @@ def _accumulate_rows(root: FSDP, param: nn.Parameter, g: XTensor) -> None:
         if grad is None:
             param.grad = _partial_grad(root, rows)
         elif held is not None:
-            grad._cell.write(_partial_grad(root, held + rows)._cell.value)
+            core.write(grad, core.value(_partial_grad(root, held + rows)))
         else:  # a reduced gradient from an earlier backward: the rows are summed into it
             grad.add_(_partial_grad(root, rows))
 
@@ -529,12 +518,12 @@ def _annotate_grads(root: FSDP) -> None:
     root._fsdp_grads_queued = False
     for p in root.parameters():
         g = p.grad
-        if not isinstance(g, XTensor) or p._cell.sharding is None:
+        if not isinstance(g, XTensor) or core.annotation(p) is None:
             continue
-        if g._chain:  # a view (e.g. the transpose a matmul's backward returns): own storage
-            g = p.grad = xt.new_base(g._value())
-        if g._cell.sharding is None:
-            spmd_api._annotate(g, p._cell.sharding)
+        if core.is_view(g):  # a view (e.g. the transpose a matmul's backward returns): own storage
+            g = p.grad = core.new_tensor(core.value(g))
+        if core.annotation(g) is None:
+            spmd_api.annotate(g, core.annotation(p))
 
 
 def _tensors_of(tree):
@@ -588,9 +577,9 @@ def _root_pre_forward(root: FSDP, args, kwargs):
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs and \
                 t.is_floating_point():
             t = t.to(mp.param_dtype)
-        if root._fsdp_shard_input and t.dim() >= 1 and not t._chain and \
-                t._cell.sharding is None:
-            t = spmd_api._ShardWithGradient.apply(t, _data_annotation(root, t))
+        if root._fsdp_shard_input and t.dim() >= 1 and not core.is_view(t) and \
+                core.annotation(t) is None:
+            t = spmd_api.ShardWithGradient.apply(t, _data_annotation(root, t))
         out.append(t)
     return rebuild(out)
 
@@ -611,4 +600,4 @@ def _root_post_forward(root: FSDP, args, output):
 def _shard_batch(root: FSDP, t: XTensor):
     if t.dim() == 0:
         return t
-    return spmd_api._ShardWithGradient.apply(t, _data_annotation(root, t))
+    return spmd_api.ShardWithGradient.apply(t, _data_annotation(root, t))

@@ -10,7 +10,9 @@ import dataclasses
 
 import torch
 
+from xshard.core import api as core
 from xshard.core.tensor import XTensor
+from xshard.spmd.sharded_tensor import XLAShardedTensor, get_sharding_spec
 
 
 @dataclasses.dataclass
@@ -40,18 +42,12 @@ class ShardedEntry:
 
 
 def full_state_dict(root, state: dict) -> dict:
-    from xshard.core import graph
-
-    graph.sync()
-    return {k: graph.to_cpu(v) if isinstance(v, XTensor) else v for k, v in state.items()}
+    core.sync()
+    return {k: core.to_cpu(v) if isinstance(v, XTensor) else v for k, v in state.items()}
 
 
 def sharded_state_dict(root, state: dict) -> dict:
-    from xshard.spmd.api import get_sharding_spec
-    from xshard.spmd.sharded_tensor import XLAShardedTensor
-    from xshard.core import graph
-
-    graph.sync()
+    core.sync()
     out = {}
     for key, value in state.items():
         if not isinstance(value, XTensor):

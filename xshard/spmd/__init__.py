@@ -9,8 +9,9 @@ Example:
     >>> xs.get_sharding_spec(w)                        # doctest: +SKIP
     '{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}'
 
-Module order: spec (device-free math) <- sharding (annotations) <- api (mark/clear/inspect)
-<- sharded_tensor <- manual (regions and collectives) <- loader (input sharding) <- debugging.
+Module order (each imports only those before it): spec (device-free math) <- sharding (annotations)
+<- sharded_tensor (XLAShardedTensor, reading a tensor's sharding) <- api (mark, clear) <- manual
+(regions and collectives) <- loader (input sharding) <- debugging.
 """
 
 from xshard.mesh import AbstractMesh, HybridMesh, Mesh, get_1d_mesh, get_global_mesh, set_global_mesh

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from xshard.core import runtime
+from xshard.spmd.sharded_tensor import annotation_of, device_tensor, get_sharding_spec
 from xshard.spmd.spec import shard_shape
 
 # Background colours of the blocks (rich colour names), with a text colour readable on each.
@@ -245,9 +246,7 @@ def visualize_tensor_sharding(t: torch.Tensor, *, use_color: bool = True, scale:
     Example:
         >>> xs.visualize_tensor_sharding(w, use_color=False)  # doctest: +SKIP
     """
-    from xshard.spmd.api import _device_tensor, annotation_of, get_sharding_spec
-
-    t = _device_tensor(t, "visualize_tensor_sharding")
+    t = device_tensor(t, "visualize_tensor_sharding")
     annotation = annotation_of(t)
     devices = None
     if annotation is not None:

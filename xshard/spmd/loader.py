@@ -28,13 +28,14 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from xshard.core import graph, ir, runtime
-from xshard.core import tensor as xt
-from xshard.core.backend import DEVICE_TYPE
+from xshard.core import api as core
+from xshard.core import execute, ir, runtime
+from xshard.core.backend import DEVICE, DEVICE_TYPE
 from xshard.core.dtypes import torch_to_numpy
 from xshard.core.tensor import XTensor
 from xshard.mesh import Mesh
 from xshard.spmd import sharding as sh
+from xshard.spmd.api import mark_sharding, upload_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +87,6 @@ class ShardingSpec:
         copied straight into its shards and the new device tensor returned.
         """
         if isinstance(t, XTensor):
-            from xshard.spmd.api import mark_sharding
-
             mark_sharding(t, self.mesh, self.partition_spec)
             return t
         if not isinstance(t, torch.Tensor):
@@ -110,13 +109,11 @@ class _Pending:
 
 
 def _upload(t: torch.Tensor, spec: ShardingSpec | None) -> _Pending:
-    from xshard.spmd.api import upload_sharded
-
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     if spec is None:
-        return _Pending(graph.upload_node(t), None)
+        return _Pending(execute.upload_node(t), None)
     annotation = spec.annotation(t.dim())
     if spec.minibatch:
         return _Pending(_upload_minibatch(t, spec, annotation), annotation)
@@ -142,8 +139,6 @@ def _upload_minibatch(t: torch.Tensor, spec: ShardingSpec, annotation: sh.Annota
             f"{per_host} for {local_tiles} local shards of dimension 0 (partition spec "
             f"{spec.partition_spec!r} on mesh axes {spec.mesh.axis_names!r}). Use a batch size "
             f"that is a multiple of {local_tiles}, e.g. drop_last=True in the DataLoader.")
-    from xshard.spmd.api import upload_sharded
-
     if runtime.process_count() == 1:
         return upload_sharded(t, annotation)
     jax = runtime.jax_module()
@@ -161,9 +156,7 @@ def _upload_minibatch(t: torch.Tensor, spec: ShardingSpec, annotation: sh.Annota
 
 
 def _as_tensor(pending: _Pending) -> XTensor:
-    out = xt.new_base(pending.node)
-    out._cell.sharding = pending.annotation
-    return out
+    return core.new_tensor(pending.node, pending.annotation)
 
 
 def _transfer(batch, input_sharding):
@@ -350,7 +343,7 @@ class MpDeviceLoader:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}.")
         self._loader = loader
-        self.device = torch.device(device) if device is not None else xt.DEVICE
+        self.device = torch.device(device) if device is not None else DEVICE
         self.input_sharding = input_sharding
         self.prefetch = prefetch
 

@@ -7,7 +7,7 @@ axes. A region is opened by ``enable_manual_sharding`` (or by ``shard_map``) and
 
 [Note: regions in a lazy graph]
 Entering records a ``manual_enter`` node (local shape) on the padded global value. Values derived from
-it are marked ``manual`` in the IR (see ``ir.Node.manual``): a sync leaves them pending and reading one
+it are marked ``manual`` in the IR (see ``xshard.core.ir``): a sync leaves them pending and reading one
 is an error, because a per-device value has no global meaning until the region is closed. Closing
 linearises the region's subgraph down to its entry nodes, stores its program under its structural key,
 and records one ``manual_region`` node whose lowering is ``jax.shard_map(program, ...)``. Device data
@@ -23,23 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from xshard.core import graph, ir, runtime
-from xshard.core import tensor as xt
-from xshard.core.lowering import RULES
+from xshard.core import api as core
+from xshard.core import ir, runtime
+from xshard.core.compiler import Program
+from xshard.core.graph import Graph
+from xshard.core.lowering.xshard_ops import REGION_PROGRAMS, ManualRegionError
 from xshard.mesh import Mesh, get_global_mesh
 from xshard.spmd import sharding as sh
-from xshard.spmd.api import _device_tensor
+from xshard.spmd.api import device_tensor
 
-ENTER = "xshard.manual_enter"
-REGION = "xshard.manual_region"
-ir.MANUAL_ENTRY.add(ENTER)
-ir.MANUAL_EXIT.add(REGION)
-
-_REGIONS: dict = {}  # structural key -> Program of a region's subgraph
-
-
-class ManualRegionError(RuntimeError):
-    pass
+__all__ = ["enable_manual_sharding", "disable_manual_sharding", "shard_map", "all_reduce",
+           "all_gather", "reduce_scatter", "all_to_all", "ppermute", "ManualRegionError"]
 
 
 def _mesh(mesh: Mesh | None) -> Mesh:
@@ -69,24 +63,22 @@ def enable_manual_sharding(t: torch.Tensor, partition_spec, *, mesh: Mesh | None
     Returns:
         A tensor of the padded shard shape whose sharding type is MANUAL.
     """
-    t = _device_tensor(t, "enable_manual_sharding")
+    t = device_tensor(t, "enable_manual_sharding")
     _no_grad_check(t, "enable_manual_sharding")
     mesh = _mesh(mesh)
     annotation = sh.annotation(mesh, partition_spec, t.dim())
-    value = t._value()
+    value = core.value(t)
     if value.manual:
         raise ManualRegionError("enable_manual_sharding got a tensor that is already manual.")
     padded = annotation.padded_shape(value.shape)
     if padded != tuple(value.shape):
         pads = tuple(x for n, p in reversed(list(zip(value.shape, padded))) for x in (0, p - n))
-        value = ir.Node(torch.ops.aten.constant_pad_nd.default, (value,), ((ir.Slot(0), pads), ()),
+        value = ir.Node(torch.ops.aten.constant_pad_nd.default, (value,), ((ir.slot(0), pads), ()),
                         padded, value.dtype)
     local = annotation.shard_shape(value.shape)
-    node = ir.Node(ENTER, (value,), ((ir.Slot(0), annotation.partition_spec), ()), local,
+    node = ir.Node(ir.MANUAL_ENTER, (value,), ((ir.slot(0), annotation.partition_spec), ()), local,
                    value.dtype)
-    out = xt.new_base(node)
-    out._cell.sharding = sh.Annotation(mesh, annotation.spec, manual=True)
-    return out
+    return core.new_tensor(node, sh.Annotation(mesh, annotation.spec, manual=True))
 
 
 def disable_manual_sharding(t: torch.Tensor, partition_spec, full_shape, *,
@@ -99,7 +91,7 @@ def disable_manual_sharding(t: torch.Tensor, partition_spec, full_shape, *,
         full_shape: the global (unpadded) shape.
         mesh: the mesh; defaults to the global mesh.
     """
-    t = _device_tensor(t, "disable_manual_sharding")
+    t = device_tensor(t, "disable_manual_sharding")
     mesh = _mesh(mesh)
     full_shape = tuple(int(n) for n in full_shape)
     annotation = sh.annotation(mesh, partition_spec, len(full_shape))
@@ -161,15 +153,15 @@ def shard_map(fn, mesh: Mesh, in_specs, out_specs):
 def _close_region(outputs, annotations, mesh: Mesh, full_shapes):
     values = []
     for t in outputs:
-        t = _device_tensor(t, "a manual region's output")
-        values.append(t._value())
-    region = graph.Graph(values, boundary=frozenset({ENTER}))
-    program = graph.Program(region)
-    _REGIONS.setdefault(region.key, program)
+        t = device_tensor(t, "a manual region's output")
+        values.append(core.value(t))
+    region = Graph(values, boundary=(ir.MANUAL_ENTER,))
+    if region.key not in REGION_PROGRAMS:
+        REGION_PROGRAMS[region.key] = Program(region)
     operands, in_specs = [], []
     jax = runtime.jax_module()
     for node in region.inputs:
-        if node.op == ENTER:
+        if node.op is ir.MANUAL_ENTER:
             operands.append(node.inputs[0])
             in_specs.append(node.template[0][1])
         else:
@@ -178,15 +170,11 @@ def _close_region(outputs, annotations, mesh: Mesh, full_shapes):
     out_specs = tuple(a.partition_spec for a in annotations)
     padded = [a.padded_shape(s) for a, s in zip(annotations, full_shapes)]
     metas = tuple((p, v.dtype) for p, v in zip(padded, values))
-    template = ((tuple(ir.Slot(i) for i in range(len(operands))), region.key, tuple(in_specs),
+    template = ((tuple(ir.slot(i) for i in range(len(operands))), region.key, tuple(in_specs),
                  out_specs, mesh.get_jax_mesh()), ())
-    node = ir.Node(REGION, tuple(operands), template, outputs=metas)
-    results = []
-    for i, (annotation, full) in enumerate(zip(annotations, full_shapes)):
-        out = xt.new_base(_crop(ir.output_node(node, i), full))
-        out._cell.sharding = annotation
-        results.append(out)
-    return results
+    node = ir.Node(ir.MANUAL_REGION, tuple(operands), template, outputs=metas)
+    return [core.new_tensor(_crop(ir.output_node(node, i), full), annotation)
+            for i, (annotation, full) in enumerate(zip(annotations, full_shapes))]
 
 
 def _crop(value: ir.Node, shape) -> ir.Node:
@@ -194,25 +182,8 @@ def _crop(value: ir.Node, shape) -> ir.Node:
         if value.shape[dim] != n:
             new_shape = tuple(n if d == dim else s for d, s in enumerate(value.shape))
             value = ir.Node(torch.ops.aten.slice.Tensor, (value,),
-                            ((ir.Slot(0), dim, 0, n, 1), ()), new_shape, value.dtype)
+                            ((ir.slot(0), dim, 0, n, 1), ()), new_shape, value.dtype)
     return value
-
-
-def _region_rule(operands, key, in_specs, out_specs, mesh):
-    jax = runtime.jax_module()
-    body = jax.shard_map(_REGIONS[key], mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
-    return body(*operands)
-
-
-def _enter_rule(x, spec):
-    raise ManualRegionError(
-        "a value from enable_manual_sharding was used outside its region; close the region with "
-        "disable_manual_sharding before using the result in global computations.")
-
-
-RULES[REGION] = _region_rule
-RULES[ENTER] = _enter_rule
 
 
 # -- collectives ---------------------------------------------------------------------------------
@@ -235,16 +206,21 @@ def _axes(axes, mesh: Mesh | None):
 
 
 def _collective(op: str, t: torch.Tensor, static: tuple, shape) -> torch.Tensor:
-    t = _device_tensor(t, op)
+    t = device_tensor(t, op)
     _no_grad_check(t, op)
-    value = t._value()
+    value = core.value(t)
     if not value.manual:
         raise ManualRegionError(
             f"xs.{op} runs inside a manual sharding region (enable_manual_sharding or "
             f"xs.shard_map); this tensor is a global value. Open a region first.")
-    node = ir.Node(f"xshard.{op}", (value,), ((ir.Slot(0), *static), ()), tuple(shape),
+    node = ir.Node(_COLLECTIVES[op], (value,), ((ir.slot(0), *static), ()), tuple(shape),
                    value.dtype)
-    return xt.new_base(node)
+    return core.new_tensor(node)
+
+
+_COLLECTIVES = {"all_reduce": ir.ALL_REDUCE, "all_gather": ir.ALL_GATHER,
+                "reduce_scatter": ir.REDUCE_SCATTER, "all_to_all": ir.ALL_TO_ALL,
+                "ppermute": ir.PPERMUTE}
 
 
 def _axis_size(names, mesh: Mesh | None) -> int:
@@ -316,29 +292,3 @@ def ppermute(t: torch.Tensor, axis, perm, *, mesh: Mesh | None = None):
         raise ValueError("ppermute takes a single mesh axis.")
     perm = tuple((int(a), int(b)) for a, b in perm)
     return _collective("ppermute", t, (names[0], perm), t.shape)
-
-
-def _reduce(x, names, op):
-    lax = runtime.jax_module().lax
-    if op == "sum":
-        return lax.psum(x, names)
-    if op == "mean":
-        return lax.pmean(x, names)
-    if op == "max":
-        return lax.pmax(x, names)
-    return lax.pmin(x, names)
-
-
-def _register_collectives():
-    lax = runtime.jax_module().lax
-    RULES["xshard.all_reduce"] = _reduce
-    RULES["xshard.all_gather"] = lambda x, names, dim: lax.all_gather(x, names, axis=dim,
-                                                                      tiled=True)
-    RULES["xshard.reduce_scatter"] = lambda x, names, dim: lax.psum_scatter(
-        x, names, scatter_dimension=dim, tiled=True)
-    RULES["xshard.all_to_all"] = lambda x, names, split, concat: lax.all_to_all(
-        x, names, split, concat, tiled=True)
-    RULES["xshard.ppermute"] = lambda x, name, perm: lax.ppermute(x, name, perm)
-
-
-_register_collectives()

@@ -12,9 +12,11 @@ from types import EllipsisType
 import numpy as np
 import torch
 
-from xshard.core import graph, ir, runtime
+from xshard.core import api as core
+from xshard.core import ir, runtime
 from xshard.core.dtypes import numpy_to_torch, torch_to_numpy
 from xshard.core.tensor import XTensor
+from xshard.spmd import sharding as sh
 from xshard.spmd import spec as specs
 from xshard.spmd.spec import ShardingType
 
@@ -65,7 +67,7 @@ class XLAShardedTensor(XTensor):
 
     @staticmethod
     def wrap(t: XTensor) -> "XLAShardedTensor":
-        out = XTensor.__new__(XLAShardedTensor, t._cell, t._chain, t.shape, t.stride(), t.dtype)
+        out = core.alias(t, XLAShardedTensor)
         out._global = t
         return out
 
@@ -76,27 +78,21 @@ class XLAShardedTensor(XTensor):
 
     @property
     def sharding_spec(self) -> str:
-        from xshard.spmd.api import get_sharding_spec
-
         return get_sharding_spec(self._global)
 
     @property
     def sharding_type(self) -> ShardingType | None:
-        from xshard.spmd.api import get_sharding_type
-
         return get_sharding_type(self._global)
 
     def _array(self):
-        if not self._cell.value.is_data:
-            graph.sync()
-        node = self._cell.value
-        return node, node.payload
+        array = core.array(self._global)
+        return core.value(self._global), array
 
     @property
     def local_shards(self) -> list[XLAShard]:
         """Each device's block (on CPU), ordered by device id."""
         node, array = self._array()
-        annotation = self._cell.sharding
+        annotation = core.annotation(self)
         by_id = {}
         if annotation is not None and not annotation.manual:
             by_id = specs.shard_indices(node.shape, annotation.plan)
@@ -118,7 +114,7 @@ class XLAShardedTensor(XTensor):
             RuntimeError: wrong number of shards, a wrong shape, or the tensor is not sharded.
         """
         node, array = self._array()
-        annotation = self._cell.sharding
+        annotation = core.annotation(self)
         if annotation is None or annotation.sharding_type == ShardingType.REPLICATED:
             raise RuntimeError(
                 "load_local_shards_ needs a sharded tensor; this one is replicated. Annotate it "
@@ -145,7 +141,7 @@ class XLAShardedTensor(XTensor):
         jax = runtime.jax_module()
         full = jax.make_array_from_single_device_arrays(
             annotation.padded_shape(node.shape), annotation.jax_sharding, arrays)
-        self._cell.write(ir.data_node(full, node.shape, node.dtype, full.sharding))
+        core.write(self._global, ir.data_node(full, node.shape, node.dtype, full.sharding))
         return self
 
     def __repr__(self, *, tensor_contents=None):
@@ -163,3 +159,62 @@ def _clip(index, logical, padded):
         stop = min(n if s.stop is None else s.stop, n)
         out.append(slice(start, stop, 1))
     return tuple(out)
+
+
+# -- reading a tensor's sharding -------------------------------------------------------------
+
+
+def device_tensor(t, what: str) -> XTensor:
+    if isinstance(t, XLAShardedTensor):
+        t = t.global_tensor
+    if not isinstance(t, XTensor):
+        device = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(
+            f"{what} needs a tensor on the xshard device, got {device}. Move it first: "
+            f"t = t.to(xshard.device()).")
+    return t
+
+
+def annotation_of(t: torch.Tensor):
+    """The ``Annotation`` on ``t``'s storage, or None."""
+    t = device_tensor(t, "annotation_of")
+    return core.annotation(t)
+
+
+def get_sharding_spec(t: torch.Tensor) -> str:
+    """The HLO sharding string of ``t`` in PyTorch/XLA's explicit format, '' when unannotated.
+
+    For a tensor computed by a sync without an annotation, this is the layout XLA chose (or ''
+    when XLA left it replicated). Pending values without an annotation report ''.
+
+    Example:
+        >>> xs.get_sharding_spec(w)  # doctest: +SKIP
+        '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
+    """
+    t = device_tensor(t, "get_sharding_spec")
+    if core.is_view(t):
+        return ""
+    annotation = core.annotation(t)
+    if annotation is not None:
+        return annotation.hlo_sharding
+    value = core.value(t)
+    if value.is_data and value.sharding is not None:
+        text = sh.hlo_string_of_jax_sharding(value.payload.sharding, len(value.shape))
+        return "" if text == "{replicated}" else text
+    return ""
+
+
+def get_sharding_type(t: torch.Tensor) -> ShardingType | None:
+    """``ShardingType`` of ``t`` (REPLICATED, TILED, PARTIAL, MANUAL...), or None if unannotated."""
+    t = device_tensor(t, "get_sharding_type")
+    annotation = core.annotation(t) if not core.is_view(t) else None
+    if annotation is not None:
+        return annotation.sharding_type
+    return sh.type_of_hlo_string(get_sharding_spec(t))
+
+
+def wrap_if_sharded(x):
+    """``XLAShardedTensor`` for a device tensor that has a sharding, else ``x`` unchanged."""
+    if isinstance(x, XTensor) and not isinstance(x, XLAShardedTensor) and get_sharding_spec(x):
+        return XLAShardedTensor.wrap(x)
+    return x

@@ -1,4 +1,4 @@
-"""Per-device partial sums (xshard.core.partial): rows equal eager CPU PyTorch on each batch block,
+"""Per-device partial sums (xshard.fsdp.partial): rows equal eager CPU PyTorch on each batch block,
 sum to the value, and need no reduction across devices; a partial sum survives syncs unreduced."""
 
 import re
@@ -9,8 +9,10 @@ import torch.nn.functional as F
 
 import xshard
 import xshard.spmd as xs
-from xshard.core import graph, partial
+from xshard.core import compiler, ir
 from xshard.core import tensor as xt
+from xshard.core.graph import Graph
+from xshard.fsdp import partial
 
 N = 8
 MESH = xs.Mesh(range(N), (N,), ("fsdp",))
@@ -30,7 +32,7 @@ def rows_of(value: torch.Tensor) -> torch.Tensor:
 
 
 def reductions(t: torch.Tensor) -> list:
-    hlo = graph.compile_graph(graph.Graph([t._value()])).as_text()
+    hlo = compiler.compile_graph(Graph([t._value()])).as_text()
     return re.findall(r"(?:all-reduce|reduce-scatter)(?:-start)?\(", hlo)
 
 
@@ -71,7 +73,7 @@ def test_rows_are_the_blocks_contributions_without_reductions(fn):
     x, dy = torch.randn(16, 5, 4), torch.randn(16, 5, 6)
     value = fn(batch_sharded(x), batch_sharded(dy))
     rows = rows_of(value)
-    assert rows._value().inputs[0].op == partial.PER_DEVICE
+    assert rows._value().inputs[0].op == ir.PER_DEVICE
     assert reductions(rows) == []
     expected = torch.stack([fn(a, b) for a, b in zip(x.chunk(N), dy.chunk(N))])
     torch.testing.assert_close(rows.cpu(), expected, rtol=1e-5, atol=1e-5)
@@ -82,7 +84,7 @@ def test_a_value_without_a_batch_sum_goes_whole_into_row_zero():
     w = torch.randn(3, 4)
     value = w.to(xshard.device()) * 2
     rows = rows_of(value)
-    assert rows._value().inputs[0].op == partial.FIRST_ROW
+    assert rows._value().inputs[0].op == ir.FIRST_ROW
     expected = torch.zeros(N, 3, 4)
     expected[0] = w * 2
     torch.testing.assert_close(rows.cpu(), expected)
@@ -92,7 +94,7 @@ def test_a_contraction_over_features_is_not_split():
     # dx = dy @ W: the batch stays a dimension of the result, nothing to split.
     dy, w = torch.randn(16, 6), torch.randn(6, 4)
     value = batch_sharded(dy) @ w.to(xshard.device())
-    assert rows_of(value)._value().inputs[0].op == partial.FIRST_ROW
+    assert rows_of(value)._value().inputs[0].op == ir.FIRST_ROW
 
 
 def test_batch_dims_follow_views_transposes_and_reductions():
@@ -113,10 +115,10 @@ def test_a_partial_sum_stays_unreduced_across_syncs_and_reads_as_the_sum():
     torch.manual_seed(0)
     x, dy = torch.randn(16, 5, 4), torch.randn(16, 5, 6)
     rows = rows_of(weight_grad(batch_sharded(x), batch_sharded(dy)))
-    total = xt.new_base(graph.partial_sum(rows._value(), ROWS(2).jax_sharding))
+    total = xt.new_base(ir.partial_sum(rows._value(), ROWS(2).jax_sharding))
     xshard.sync()
     value = total._cell.value
-    assert value.op == graph.PARTIAL_SUM and value.inputs[0].is_data
+    assert value.op == ir.PARTIAL_SUM and value.inputs[0].is_data
     assert value.inputs[0].payload.shape == (N, 4, 6)  # each device keeps its row
     assert xs.get_sharding_spec(xt.new_base(value.inputs[0])).startswith("{devices=[8,1,1]")
     xshard.sync()

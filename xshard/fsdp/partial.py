@@ -1,5 +1,14 @@
-"""Per-device partial sums of a value that sums over a sharded batch (see [Note: per-device partial
-sums] in xshard.core.graph).
+"""Per-device partial sums of a value that sums over a sharded batch: how FSDP's ``no_sync``
+accumulates gradients without a collective per micro-step.
+
+[Note: per-device partial sums]
+GSPMD has no annotation for a value that each device holds a different addend of (an "unreduced"
+value): a logical value is always whole, so XLA reduces a contraction over a sharded dimension
+where it happens. The IR op ``PARTIAL_SUM`` spells such a value out: its input has one leading row
+per device (sharded on that dimension, so each device holds its own row) and its value is the sum
+of the rows. A sync keeps the rows as they are and the cell's value stays ``PARTIAL_SUM(data)``,
+which counts as computed (settled); the sum, and with it the collective, happens only in the graph
+that reads the value.
 
 A parameter's gradient is a sum over the batch: ``x.T @ dy`` for a Linear weight, a scatter-add of
 the output gradient for an embedding, a sum over batch and positions for a norm's weight. With the
@@ -18,23 +27,15 @@ rewrite becomes ``value`` in row 0 and zeros elsewhere (reduced where it is comp
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
-from xshard.core import graph, ir, runtime
-from xshard.core.barrier import BARRIERS
-from xshard.core.lowering import RULES
-
-jax = runtime.jax_module()
-import jax.numpy as jnp  # noqa: E402
+from xshard.core import ir
+from xshard.core.lowering.xshard_ops import STACKED, per_device_call
 
 aten = torch.ops.aten
-
-PER_DEVICE = "xshard.per_device"
-FIRST_ROW = "xshard.first_row"
-STACKED = "rows"  # an input mode: already one row per device (vmapped over dim 0)
+BARRIERS = ir.BARRIERS
 
 # How far below the value the rewrite looks for a batch sum through linear ops.
 _MAX_DEPTH = 12
@@ -115,7 +116,7 @@ def per_device_rows(value: ir.Node, batch: BatchDims, sharding) -> ir.Node:
     rows = _Rewrite(batch).rows(value, 0)
     if rows is None:
         rows = _first_row(value, batch.n)
-    return graph.constrain_jax(rows, sharding)
+    return ir.constrain(rows, sharding)
 
 
 class _Rewrite:
@@ -132,7 +133,7 @@ class _Rewrite:
 
     def _rows(self, node, depth):
         op = node.op
-        if op == graph.CONSTRAIN:
+        if op == ir.CONSTRAIN:
             return self.rows(node.inputs[0], depth + 1)
         if op is ir.OUTPUT:
             multi, index = node.inputs[0], node.template
@@ -202,23 +203,9 @@ class _Rewrite:
 
     def _per_device(self, node, inputs, modes, index):
         shape, dtype = (node.shape, node.dtype) if index is None else node.outputs[index]
-        call = _Call(node.op, node.template, tuple(modes), index, tuple(shape), dtype, self.n)
-        template = ((call, *(ir.Slot(i) for i in range(len(inputs)))), ())
-        return ir.Node(PER_DEVICE, tuple(inputs), template, (self.n, *shape), dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    """What a ``PER_DEVICE`` node runs per block: the original op and its static arguments (kept
-    whole: the graph fills only the outer template's slots)."""
-
-    op: object
-    template: tuple
-    modes: tuple  # per input: None (shared), STACKED, or the dimension to split into blocks
-    index: int | None  # the output taken from a multi-output op
-    shape: tuple  # one block's result
-    dtype: torch.dtype
-    n: int
+        call = per_device_call(node.op, node.template, modes, index, shape, dtype, self.n)
+        template = ((call, *(ir.slot(i) for i in range(len(inputs)))), ())
+        return ir.Node(ir.PER_DEVICE, tuple(inputs), template, (self.n, *shape), dtype)
 
 
 def _slot_at(node, position):
@@ -278,7 +265,7 @@ class BatchDims:
             return None
         if op is ir.DATA:
             return self._from_sharding(node.sharding, len(node.shape))
-        if op == graph.CONSTRAIN:
+        if op == ir.CONSTRAIN:
             return self._from_sharding(node.template[0][1], len(node.shape))
         if op is ir.OUTPUT:
             multi = node.inputs[0]
@@ -371,43 +358,7 @@ def _keep_size(in_shape, out_shape, d):
 
 
 def _first_row(value: ir.Node, n: int) -> ir.Node:
-    return ir.Node(FIRST_ROW, (value,), ((ir.Slot(0), n), ()), (n, *value.shape), value.dtype)
-
-
-# -- lowering ----------------------------------------------------------------------------------------
-
-
-def _per_device_rule(call: _Call, *xs):
-    rule = RULES[call.op]
-    targs, tkwargs = call.template
-    n = call.n
-    ins, axes = [], []
-    for x, mode in zip(xs, call.modes):
-        if mode is None:
-            axes.append(None)
-        elif mode == STACKED:
-            axes.append(0)
-        else:  # split dimension ``mode`` into n blocks, the block index leading
-            x = x.reshape(x.shape[:mode] + (n, x.shape[mode] // n) + x.shape[mode + 1:])
-            x = jnp.moveaxis(x, mode, 0)
-            axes.append(0)
-        ins.append(x)
-
-    def one(*vals):
-        result = rule(*graph._thaw(targs, vals), **{k: graph._thaw(v, vals) for k, v in tkwargs})
-        if call.index is not None:
-            result = result[call.index]
-        return graph._conform(result, call.shape, call.dtype, call.op)
-
-    return jax.vmap(one, in_axes=tuple(axes))(*ins)
-
-
-def _first_row_rule(x, n):
-    return jnp.zeros((n, *x.shape), x.dtype).at[0].set(x)
-
-
-RULES[PER_DEVICE] = _per_device_rule
-RULES[FIRST_ROW] = _first_row_rule
+    return ir.Node(ir.FIRST_ROW, (value,), ((ir.slot(0), n), ()), (n, *value.shape), value.dtype)
 
 
 def device_count(mesh, axes) -> int:

@@ -1,0 +1,258 @@
+"""Compilation and the executable cache: a linearised graph becomes one ``jax.jit`` program.
+
+``Program`` interprets a graph's nodes with the lowering table while JAX traces it; ``executable``
+looks a graph up by its key (see [Note: the graph key] in xshard.core.graph) and, on a miss, lowers
+and compiles it (``jax.jit(...).lower(...).compile()``: XLA propagates shardings and partitions the
+program here) with the XLA options its ops ask for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import numpy as np
+
+from xshard.core import ir, metrics, runtime
+from xshard.core.dtypes import to_numpy_dtype
+from xshard.core.graph import Graph
+from xshard.core.lowering import RULES, LoweringError, apply_rule
+
+jax = runtime.jax_module()
+from jax._src.lax import lax as _lax_internal  # noqa: E402
+
+log = logging.getLogger("xshard")
+
+
+class Program:
+    """The payload-free description of a graph that the traced function interprets."""
+
+    def __init__(self, graph: Graph):
+        self.steps = []
+        position = {id(n): i for i, n in enumerate(graph.inputs)}
+        for node, kids in zip(graph.order, graph.children):
+            if node.op is ir.DATA or (not kids and node.inputs):
+                self.steps.append(("data", position[id(node)], tuple(node.shape)))
+            elif node.op is ir.SCALAR:
+                self.steps.append(("scalar", position[id(node)], node.template == "weak"))
+            elif node.op is ir.OUTPUT:
+                self.steps.append(("output", kids[0], node.template))
+            else:
+                rule = RULES.get(node.op)
+                if rule is None:
+                    raise LoweringError(f"no lowering rule for {node.op}")
+                self.steps.append(("op", kids, (node.op, rule, node.template, node.shape,
+                                                node.dtype, node.outputs)))
+        self.outputs = graph.outputs
+
+    def __call__(self, *inputs):
+        vals = []
+        for kind, a, b in self.steps:
+            if kind == "op":
+                op, rule, template, shape, dtype, outputs = b
+                vals.append(apply_rule(op, rule, template, [vals[k] for k in a], shape, dtype,
+                                       outputs))
+            elif kind == "data":
+                x = inputs[a]
+                if x.shape != b:  # padded device data: the logical value is the leading block
+                    x = x[tuple(slice(0, n) for n in b)]
+                vals.append(x)
+            elif kind == "scalar":
+                x = inputs[a]
+                vals.append(_lax_internal._convert_element_type(x, weak_type=True) if b else x)
+            else:
+                vals.append(vals[a][b])
+        return tuple(vals[o] for o in self.outputs)
+
+
+def input_values(graph: Graph) -> list:
+    """The arguments of ``graph``'s program: each input's payload (scalars as 0-d numpy arrays),
+    placed so that jit accepts them together (see [Note: default placement on a sub-mesh])."""
+    values = []
+    for node in graph.inputs:
+        if node.op is ir.SCALAR:
+            values.append(np.asarray(node.payload, to_numpy_dtype(node.dtype)))
+        else:
+            values.append(node.payload)
+    return _colocate(values)
+
+
+# [Note: default placement on a sub-mesh]
+# Unannotated data is replicated over every device. A graph that also reads data laid out on a mesh
+# over fewer devices (e.g. FSDP on Mesh(range(4), (4,), ('fsdp',))) would mix device sets, which jit
+# refuses ("incompatible devices"); such default-placed inputs are copied, replicated, onto the
+# devices of the other inputs. Only when those all share one device set: a graph mixing two
+# different sub-meshes is the user's error, and jit says so.
+def _colocate(values):
+    all_devices = len(runtime.devices())
+    if all_devices == 1:
+        return values
+    placed, default = set(), []
+    for i, v in enumerate(values):
+        sharding = getattr(v, "sharding", None)
+        if sharding is None:
+            continue
+        devices = sharding.device_set
+        if len(devices) == all_devices:
+            if sharding.is_fully_replicated:
+                default.append(i)
+        else:
+            placed.add(frozenset(devices))
+    if not default or len(placed) != 1:
+        return values
+    target = _replicated_on(next(iter(placed)))
+    values = list(values)
+    for i in default:
+        v = values[i]
+        if isinstance(v, jax.ShapeDtypeStruct):
+            values[i] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target)
+        else:
+            values[i] = jax.device_put(v, target)
+    return values
+
+
+_REPLICATED_ON: dict = {}
+
+
+def _replicated_on(devices: frozenset):
+    sharding = _REPLICATED_ON.get(devices)
+    if sharding is None:
+        mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("xshard_sub",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        _REPLICATED_ON[devices] = sharding
+    return sharding
+
+
+def lower(graph: Graph, values=None, donate=()):
+    """``graph`` traced and lowered to StableHLO (a ``jax.stages.Lowered``)."""
+    jitted = jax.jit(Program(graph), donate_argnums=donate)
+    with warnings.catch_warnings():
+        # Donation is offered for every buffer no live tensor holds; XLA reuses those it can.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return jitted.lower(*(input_values(graph) if values is None else values))
+
+
+# [Note: barriers on the CPU backend]
+# XLA's CPU pipeline removes optimisation barriers before it schedules (the pass is named
+# ``cse_barrier_expander``: there a barrier only stops CSE), and its default concurrency-optimised
+# scheduler then starts every collective as early as its operands allow, so FSDP's all-gathers all
+# run at the start of the program, every unit's full parameters alive at once; the all-reduce
+# combiner also merges every gradient reduction (CPU reduces a gradient with an all-reduce and a
+# slice) into one at the end of backward, holding every full gradient. Measured on 8 virtual CPU
+# devices, 8 units of 2 MiB each: 32 MiB of temporaries per device with both, 2 MiB without.
+# A graph with a BARRIER asks for program order to hold, so it is compiled with the memory-minimising
+# scheduler (the XLA_FLAGS equivalent: --xla_cpu_enable_concurrency_optimized_scheduler=false) and
+# without that combiner. That scheduler keeps program order, which FSDP's gathers need, but it holds
+# more activations than the default one (a 6-block MLP's backward: 48 MiB of temporaries against
+# 28 MiB), so code that only needs one value computed after another uses ``ordered_after``
+# (xshard.core.barrier). The last CSE pass also runs after barriers are gone: activation
+# checkpointing defends against it itself (see xshard/fsdp/utils.py).
+# A graph whose code carries its order in data dependencies and needs a barrier only against CSE
+# uses CSE_BARRIER: it keeps the default scheduler, which frees recomputed activations far better
+# (FSDP with activation checkpointing, see [Note: FSDP gathers ordered by data]), and only loses
+# the combiner.
+def _barrier_options() -> dict:
+    if runtime.platform() != "cpu":
+        return {}
+    return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+            "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
+def _cse_barrier_options() -> dict:
+    if runtime.platform() != "cpu":
+        return {}
+    return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
+# Compiler options a graph needs because it contains some op: op -> function returning XLA options.
+_OP_OPTIONS = {ir.BARRIER: _barrier_options, ir.CSE_BARRIER: _cse_barrier_options}
+
+
+def compiler_options(graph: Graph) -> dict:
+    """The XLA options for compiling ``graph``: the union of those its ops ask for."""
+    options = {}
+    ops = {node.op for node in graph.order if type(node.op) is str}
+    for op in sorted(ops & _OP_OPTIONS.keys()):
+        options.update(_OP_OPTIONS[op]())
+    return options
+
+
+def compile_graph(graph: Graph, lowered=None, donate=()):
+    """Compiles ``graph`` (lowered already, or lowered here) with the options its ops need."""
+    if lowered is None:
+        lowered = lower(graph, donate=donate)
+    options = compiler_options(graph)
+    if options:
+        try:
+            return lowered.compile(options)
+        except jax.errors.JaxRuntimeError as e:
+            if "option" not in str(e):
+                raise
+            # An XLA that does not know one of these options: compile as it would by default.
+            warnings.warn(f"xshard: compiling without {sorted(options)}: {e}", stacklevel=2)
+    return lowered.compile()
+
+
+class Executable:
+    """A compiled graph, the inputs it donates, and what a recompile log compares."""
+
+    __slots__ = ("compiled", "donate", "describe")
+
+    def __init__(self, compiled, donate: tuple, describe):
+        self.compiled = compiled
+        self.donate = donate
+        self.describe = describe
+
+
+_CACHE: dict = {}
+
+
+def executable(graph: Graph, donate: tuple = ()) -> Executable:
+    """The executable of ``graph``, compiled on the first request; ``donate`` (input positions
+    whose buffers nothing else holds) applies to that compilation only."""
+    exe = _CACHE.get(graph.key)
+    if exe is not None:
+        metrics.METRICS.cache_hits += 1
+        return exe
+    _log_recompile(graph)
+    start = time.perf_counter()
+    compiled = compile_graph(graph, lower(graph, donate=donate))
+    metrics.METRICS.record_compile(time.perf_counter() - start)
+    exe = _CACHE[graph.key] = Executable(compiled, tuple(donate), graph.describe())
+    return exe
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def _log_recompile(graph: Graph):
+    if not _CACHE or not log.isEnabledFor(logging.DEBUG):
+        return
+    ins, ops = graph.describe()
+    best, best_score = None, None
+    for exe in _CACHE.values():
+        cins, cops = exe.describe
+        score = abs(len(cins) - len(ins)) + abs(len(cops) - len(ops)) + sum(
+            a != b for a, b in zip(cins, ins)) + sum(a != b for a, b in zip(cops, ops))
+        if best_score is None or score < best_score:
+            best, best_score = exe.describe, score
+    cins, cops = best
+    reasons = []
+    for i, (a, b) in enumerate(zip(cins, ins)):
+        if a != b:
+            what = ("shape" if a[0] != b[0] else "dtype" if a[1] != b[1] else "sharding")
+            reasons.append(f"input {i} {what}: {a[:2] if what != 'sharding' else a[2]} -> "
+                           f"{b[:2] if what != 'sharding' else b[2]}")
+            break
+    if len(cins) != len(ins):
+        reasons.append(f"number of inputs {len(cins)} -> {len(ins)}")
+    for i, (a, b) in enumerate(zip(cops, ops)):
+        if a != b:
+            reasons.append(f"op {i}: {a} -> {b}")
+            break
+    if len(cops) != len(ops):
+        reasons.append(f"number of ops {len(cops)} -> {len(ops)}")
+    log.debug("xshard recompiles a graph of %d ops; nearest cached graph differs in: %s",
+              len(ops), "; ".join(reasons) or "static op arguments")

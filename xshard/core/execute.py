@@ -1,0 +1,318 @@
+"""Execution: running pending work, reading values, and where data lives.
+
+``sync()`` gathers every pending cell into one graph, gets its executable (compiled once, then
+reused) and dispatches it. JAX's dispatch is asynchronous, so ``sync()`` returns as soon as the work
+is queued; the cells then hold ``jax.Array`` results still in flight, and reading one waits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xshard.core import compiler, ir, metrics, runtime
+from xshard.core.cells import LIVE_CELLS, pending_cells, settled, stored
+from xshard.core.compiler import input_values
+from xshard.core.dtypes import numpy_to_torch, to_numpy_dtype, torch_to_numpy
+from xshard.core.graph import Graph
+
+jax = runtime.jax_module()
+
+
+# -- placement -------------------------------------------------------------------------------------
+
+_DEFAULT_SHARDING = None
+
+
+def default_sharding():
+    """Unannotated data is replicated over every device (as in PyTorch/XLA's SPMD mode)."""
+    global _DEFAULT_SHARDING
+    if _DEFAULT_SHARDING is None:
+        devices = runtime.devices()
+        if len(devices) == 1:
+            _DEFAULT_SHARDING = jax.sharding.SingleDeviceSharding(devices[0])
+        else:
+            mesh = jax.sharding.Mesh(np.array(devices), ("xshard_all",))
+            _DEFAULT_SHARDING = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return _DEFAULT_SHARDING
+
+
+def upload_node(t: torch.Tensor, sharding=None) -> ir.Node:
+    """Copies CPU tensor ``t`` to the devices (asynchronously) and returns its data node.
+
+    Under ``compile_only()`` a meta tensor becomes a data node without data (see there).
+    """
+    sharding = sharding or default_sharding()
+    if t.device.type == "meta":
+        if not _COMPILE_ONLY["on"]:
+            raise RuntimeError(
+                "Cannot copy a meta tensor to the xshard device: it has no data. Materialise it "
+                "first, or build the program inside xshard.compile_only() to study it without "
+                "data (compile and analyse only).")
+        aval = jax.ShapeDtypeStruct(tuple(t.shape), to_numpy_dtype(t.dtype), sharding=sharding)
+        return ir.data_node(aval, tuple(t.shape), t.dtype, sharding)
+    # A private copy: JAX reads (CPU: may even keep) the host buffer after device_put returns, so
+    # a later in-place write to the CPU tensor would otherwise change the device value.
+    array = jax.device_put(np.array(torch_to_numpy(t), copy=True), sharding)
+    return ir.data_node(array, tuple(t.shape), t.dtype, array.sharding)
+
+
+def _placed(array):
+    """Unannotated data lives replicated over all devices (see default_sharding).
+
+    A graph without device data among its inputs (``torch.ones(..., device=d)`` and the like) runs
+    on one device; left there, its results would give the next step another input layout, and so
+    another executable than the steady state's.
+    """
+    if isinstance(array.sharding, jax.sharding.SingleDeviceSharding) and runtime.device_count() > 1:
+        return jax.device_put(array, default_sharding())
+    return array
+
+
+# -- compile-only mode -----------------------------------------------------------------------------
+
+# [Note: compile-only mode]
+# Inside compile_only(), meta tensors moved to the device become data nodes whose payload is a
+# jax.ShapeDtypeStruct (shape, dtype, sharding) instead of an array. Programs over them trace, lower
+# and compile as usual, so XLA's memory and cost analyses are available for meshes and models larger
+# than the machine (e.g. 256 virtual devices, billions of parameters), but nothing can run: a sync or a
+# read over such inputs raises, except ``sync(abstract=True)``, which stands in for one.
+_COMPILE_ONLY = {"on": False}
+
+
+class CompileOnlyError(RuntimeError):
+    pass
+
+
+class compile_only:
+    """Context manager: meta tensors become data-free device tensors (compile and analyse only).
+
+    Example:
+        >>> with xshard.compile_only():
+        ...     with torch.device("meta"):
+        ...         model = GPT(cfg)
+        ...     model = FSDP(model)                 # parameters without data, sharded
+        ...     loss = model(x, y); loss.backward(); opt.step()
+        ...     stats = xshard.memory.analyze_step()   # compiled, never run
+    """
+
+    def __enter__(self):
+        self._previous = _COMPILE_ONLY["on"]
+        _COMPILE_ONLY["on"] = True
+        return self
+
+    def __exit__(self, *exc):
+        _COMPILE_ONLY["on"] = self._previous
+        return False
+
+
+def compiling_only() -> bool:
+    """Whether a ``compile_only()`` block is open."""
+    return _COMPILE_ONLY["on"]
+
+
+def runnable(graph: Graph) -> bool:
+    """Whether every input of ``graph`` has data (none comes from ``compile_only()``)."""
+    return not any(n.op is ir.DATA and isinstance(n.payload, jax.ShapeDtypeStruct)
+                   for n in graph.inputs)
+
+
+def _check_runnable(graph: Graph) -> None:
+    if not runnable(graph):
+        raise CompileOnlyError(
+            "This graph reads tensors created under xshard.compile_only(), which have no data: "
+            "it can be compiled and analysed (xshard.memory.analyze_step()), not run. Drop "
+            "those tensors (del, or leave the compile_only block) before syncing real work.")
+
+
+# -- the pending step ------------------------------------------------------------------------------
+
+
+class PendingStep:
+    """What a sync would run now: the pending cells, their graph, which output each gets, and
+    which inputs it may donate."""
+
+    __slots__ = ("cells", "owners", "graph", "donate")
+
+    def __init__(self):
+        pending = pending_cells()
+        self.cells = [c for c in pending if not c.value.manual and c.error is None]
+        left_out = [c for c in pending if c.value.manual or c.error is not None]
+        outputs, seen, self.owners = [], {}, []
+        for c in self.cells:
+            key = (id(c.value), c.sharding)
+            if key not in seen:
+                seen[key] = len(outputs)
+                outputs.append(_output(c.value, c.sharding))
+            self.owners.append(seen[key])
+        self.graph = Graph(outputs)
+        self.donate = _donatable(self.graph, left_out)
+
+
+def _output(value: ir.Node, annotation) -> ir.Node:
+    """The node a sync computes for a cell holding pending ``value`` under ``annotation``."""
+    if value.op is ir.PARTIAL_SUM:  # the rows stay as they are (see [Note: per-device partial sums])
+        return ir.constrain(value.inputs[0], value.template[0][1])
+    if annotation is None:
+        return value
+    padded = tuple(annotation.padded_shape(value.shape))
+    return ir.shard_output(value, padded, annotation.jax_sharding)
+
+
+def _donatable(graph: Graph, left_out) -> tuple:
+    """Inputs whose buffers a sync may give to XLA: data no live cell holds, that no pending value
+    left out of this sync reads (a quarantined cell's, or one of an open manual region)."""
+    if any(c.value.manual for c in left_out):
+        return ()  # an open region's values may read any input
+    protected = _data_reachable([c.value for c in left_out]) if left_out else set()
+    return tuple(i for i, n in enumerate(graph.inputs)
+                 if n.op is ir.DATA and n.holders == 0 and id(n) not in protected
+                 and not isinstance(n.payload, jax.ShapeDtypeStruct))
+
+
+def _data_reachable(values) -> set:
+    seen, found, stack = set(), set(), list(values)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op is ir.DATA:
+            found.add(id(node))
+        stack.extend(node.inputs)
+    return found
+
+
+def pending_step() -> PendingStep:
+    return PendingStep()
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def sync(wait: bool = False, abstract: bool = False) -> int:
+    """Compiles (or reuses) and dispatches one graph computing every pending live tensor; returns
+    how many storages it computed.
+
+    ``abstract=True`` (under ``compile_only()``): runs nothing; every pending value becomes data
+    without data (a ``jax.ShapeDtypeStruct``) laid out as its tensor's annotation says, or
+    replicated when it has none, as a real step would leave it (see xshard.memory.abstract_sync).
+    """
+    step = PendingStep()
+    if not step.cells:
+        if wait:
+            wait_all()
+        return 0
+    graph = step.graph
+    if abstract:
+        results = _abstract_results(step)
+    else:
+        _check_runnable(graph)
+        try:
+            exe = compiler.executable(graph, step.donate)
+        except Exception as error:
+            _quarantine(step.cells, error)
+            raise
+        results = _run(exe, graph, step.donate)
+    nodes = {}
+    for c, pos in zip(step.cells, step.owners):
+        node = nodes.get(pos)
+        if node is None:
+            array = results[pos] if abstract else _placed(results[pos])
+            value = stored(c.value)
+            node = nodes[pos] = ir.data_node(array, value.shape, value.dtype, array.sharding)
+        if c.value.op is ir.PARTIAL_SUM:
+            c.write(ir.partial_sum(node, c.value.template[0][1]))
+        else:
+            c.write(node)
+    if wait:
+        wait_all()
+    return len(step.cells)
+
+
+def _run(exe, graph: Graph, donatable: tuple) -> list:
+    """Runs ``exe`` on ``graph``'s inputs. An input the executable was compiled to donate that
+    something now holds is passed as a copy: donation never costs a second executable."""
+    import time
+
+    values = input_values(graph)
+    if exe.donate != donatable:
+        free = set(donatable)
+        for i in exe.donate:
+            if i not in free:
+                values[i] = jax.device_put(values[i], may_alias=False)
+    start = time.perf_counter()
+    results = exe.compiled(*values)
+    metrics.METRICS.record_execute(time.perf_counter() - start)
+    return results
+
+
+def _abstract_results(step: PendingStep) -> list:
+    if not _COMPILE_ONLY["on"]:
+        raise CompileOnlyError(
+            "abstract_sync() stands in for a sync under xshard.compile_only() only; outside it, "
+            "run the step with xshard.sync().")
+    results = []
+    for pos in range(len(step.graph.outputs)):
+        c = step.cells[step.owners.index(pos)]
+        node = stored(c.value)
+        annotation = c.sharding
+        if annotation is not None and c.value.op is not ir.PARTIAL_SUM:
+            shape, sharding = tuple(annotation.padded_shape(node.shape)), annotation.jax_sharding
+        elif c.value.op is ir.PARTIAL_SUM:
+            shape, sharding = tuple(node.shape), c.value.template[0][1]
+        else:
+            shape, sharding = tuple(node.shape), default_sharding()
+        results.append(jax.ShapeDtypeStruct(shape, to_numpy_dtype(node.dtype), sharding=sharding))
+    return results
+
+
+def _quarantine(cells, error) -> None:
+    """After a graph failed to compile: marks the pending cells whose own graph fails (all of them
+    when none fails alone), so later syncs run the rest. Reading a marked tensor raises again."""
+    failed = False
+    for c in cells:
+        try:
+            compiler.lower(Graph([c.value]))
+        except Exception as e:  # noqa: BLE001  (any lowering error marks the cell)
+            c.error = e
+            failed = True
+    if not failed:
+        for c in cells:
+            c.error = error
+
+
+def evaluate(nodes) -> list:
+    """Computes ``nodes`` without binding the results to any tensor (no donation)."""
+    graph = Graph(list(nodes))
+    _check_runnable(graph)
+    return list(_run(compiler.executable(graph), graph, ()))
+
+
+def wait_all() -> None:
+    """Blocks until every dispatched computation has finished."""
+    for c in list(LIVE_CELLS):
+        if settled(c.value):
+            payload = stored(c.value).payload
+            if isinstance(payload, jax.Array):
+                payload.block_until_ready()
+
+
+def to_cpu(t) -> torch.Tensor:
+    """The value of xshard tensor ``t`` as a CPU tensor; runs pending work first (one graph, like
+    ``sync()``). A tensor whose step failed raises that step's error."""
+    cell = t._cell
+    if cell.error is None and not settled(cell.value):
+        sync()
+    if cell.error is not None:
+        raise cell.error
+    node = t._value()
+    if node.manual:
+        raise RuntimeError(
+            "This tensor holds per-device shards inside a manual sharding region; close the region "
+            "with xshard.spmd.disable_manual_sharding(t, spec, full_shape) to read its value.")
+    array = node.payload if node.op is ir.DATA else evaluate([node])[0]
+    out = numpy_to_torch(np.asarray(array))
+    if tuple(out.shape) != tuple(node.shape):  # padded for an uneven sharding
+        out = out[tuple(slice(0, n) for n in node.shape)].clone()
+    return out

@@ -1,0 +1,80 @@
+"""Fused attention (``_scaled_dot_product_fused_attention_overrideable`` and its backward) as a few
+einsums, so XLA sees attention the way a hand-written JAX model expresses it (see
+xshard.core.attention for how the fused op is chosen)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.lowering.linalg import _mm_precision
+from xshard.core.lowering.table import rule
+
+jax = runtime.jax_module()
+jnp = jax.numpy
+
+aten = torch.ops.aten
+
+
+def _scores(q, k, attn_bias, is_causal, scale):
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    s = jnp.einsum("...qd,...kd->...qk", q, k, precision=_mm_precision()) * jnp.asarray(
+        scale, q.dtype)
+    lq, lk = q.shape[-2], k.shape[-2]
+    if is_causal:
+        keep = np.tril(np.ones((lq, lk), dtype=bool))
+        s = jnp.where(keep, s, -jnp.inf)
+    if attn_bias is not None:
+        if attn_bias.dtype == np.bool_:
+            s = jnp.where(attn_bias, s, -jnp.inf)
+        else:
+            s = s + attn_bias.astype(s.dtype)
+    return s, scale
+
+
+def _probs(s, lse):
+    # Rows with every key masked give zeros, as PyTorch's safe softmax does.
+    return jnp.where(jnp.isneginf(lse)[..., None], 0.0, jnp.exp(s - lse[..., None]))
+
+
+@rule(aten._scaled_dot_product_fused_attention_overrideable.default)
+def _forward(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+             scale=None, _key=None):
+    s, _ = _scores(q, k, attn_bias, is_causal, scale)
+    sf = s.astype(np.float32) if s.dtype != np.float64 else s
+    lse = jax.nn.logsumexp(sf, axis=-1)
+    p = _probs(sf, lse).astype(q.dtype)
+    out = jnp.einsum("...qk,...kd->...qd", p, v, precision=_mm_precision())
+    zero = jnp.zeros((), np.int64)
+    return (out, lse, None, None, q.shape[-2], k.shape[-2], zero, zero, None)
+
+
+@rule(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+def _backward(grad, q, k, v, attn_bias, grad_input_mask, out, lse, cum_q, cum_k, max_q, max_k,
+              dropout_p, is_causal, seed, offset, scale=None):
+    s, scale = _scores(q, k, attn_bias, is_causal, scale)
+    sf = s.astype(lse.dtype)
+    p = _probs(sf, lse)
+    g = grad.astype(p.dtype)
+    prec = _mm_precision()
+    dv = jnp.einsum("...qk,...qd->...kd", p, g, precision=prec)
+    dp = jnp.einsum("...qd,...kd->...qk", g, v.astype(p.dtype), precision=prec)
+    delta = jnp.sum(g * out.astype(p.dtype), axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dq = jnp.einsum("...qk,...kd->...qd", ds, k.astype(p.dtype), precision=prec) * scale
+    dk = jnp.einsum("...qk,...qd->...kd", ds, q.astype(p.dtype), precision=prec) * scale
+    dbias = None
+    if attn_bias is not None and attn_bias.dtype != np.bool_:
+        dbias = ds
+        while dbias.ndim > attn_bias.ndim:
+            dbias = dbias.sum(0)
+        for axis, n in enumerate(attn_bias.shape):
+            if n == 1 and dbias.shape[axis] != 1:
+                dbias = dbias.sum(axis, keepdims=True)
+    if dbias is None:  # not asked for: zeros of the shape PyTorch's meta kernel announces
+        dbias = jnp.zeros(q.shape if attn_bias is None else attn_bias.shape, q.dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias)

@@ -1,0 +1,458 @@
+"""Elementwise ops: unary, binary, comparisons, clamps, where, casts and copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.lowering.promotion import (
+    _BOOL, _COMPLEX, _FLOAT, _INT, _category, _compute, _float_like, promote, result_dtype)
+from xshard.core.lowering.table import np_dtype, rule
+
+jax = runtime.jax_module()
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _unary_float(fn):
+    def lower(x, *args, **kwargs):
+        return fn(_float_like(x))
+    return lower
+
+
+_UNARY_FLOAT = {
+    aten.exp: jnp.exp, aten.exp2: jnp.exp2, aten.expm1: jnp.expm1, aten.log: jnp.log,
+    aten.log2: jnp.log2, aten.log10: jnp.log10, aten.log1p: jnp.log1p, aten.sqrt: jnp.sqrt,
+    aten.rsqrt: lax.rsqrt, aten.sin: jnp.sin, aten.cos: jnp.cos, aten.tan: jnp.tan,
+    aten.asin: jnp.arcsin, aten.acos: jnp.arccos, aten.atan: jnp.arctan, aten.sinh: jnp.sinh,
+    aten.cosh: jnp.cosh, aten.tanh: jnp.tanh, aten.asinh: jnp.arcsinh, aten.acosh: jnp.arccosh,
+    aten.atanh: jnp.arctanh, aten.sigmoid: jax.nn.sigmoid, aten.erf: jax.scipy.special.erf,
+    aten.erfc: jax.scipy.special.erfc, aten.erfinv: jax.scipy.special.erfinv,
+    aten.lgamma: jax.scipy.special.gammaln,
+    aten.digamma: lambda x: jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x)),
+    aten.i0: jax.scipy.special.i0, aten.special_i0e: jax.scipy.special.i0e,
+    aten.special_i1: jax.scipy.special.i1, aten.special_i1e: jax.scipy.special.i1e,
+    aten.reciprocal: jnp.reciprocal, aten.deg2rad: jnp.deg2rad, aten.rad2deg: jnp.rad2deg,
+    aten.sinc: jnp.sinc, aten.special_erfcx: jax.scipy.special.erfcx,
+    aten.special_ndtri: jax.scipy.special.ndtri, aten.special_ndtr: jax.scipy.special.ndtr,
+    aten.special_log_ndtr: jax.scipy.special.log_ndtr,
+    aten.special_entr: jax.scipy.special.entr,
+}
+for _op, _fn in _UNARY_FLOAT.items():
+    rule(_op)(_unary_float(_fn))
+
+_UNARY_SAME = {
+    aten.neg: jnp.negative, aten.abs: jnp.abs, aten.floor: jnp.floor, aten.ceil: jnp.ceil,
+    aten.trunc: jnp.trunc, aten.sign: jnp.sign, aten.bitwise_not: lambda x: ~x,
+    aten.positive: lambda x: x, aten.square: lambda x: x * x,
+}
+# Identities on bools (all but bitwise_not/square) and, for rounding, on integers.
+_IDENTITY_ON_INT = {aten.floor, aten.ceil, aten.trunc}
+
+
+def _unary_same(op, fn):
+    def lower(x):
+        if x.dtype == np.bool_ and op not in (aten.bitwise_not, aten.square):
+            return x
+        if op in _IDENTITY_ON_INT and _category(x.dtype) != _FLOAT:
+            return x
+        return fn(x)
+    return lower
+
+
+for _op, _fn in _UNARY_SAME.items():
+    rule(_op)(_unary_same(_op, _fn))
+
+
+@rule(aten.round.default)
+def _round(x):
+    return jnp.round(x) if _category(x.dtype) == _FLOAT else x
+
+
+@rule(aten.round.decimals)
+def _round_decimals(x, decimals=0):
+    scale = 10.0 ** decimals
+    return jnp.round(x * scale) / scale
+
+
+@rule(aten.frac)
+def _frac(x):
+    return x - jnp.trunc(x)
+
+
+@rule(aten.sgn)
+def _sgn(x):
+    return x if x.dtype == np.bool_ else jnp.sign(x)
+
+
+# One-argument ops whose jax.numpy function already has PyTorch's semantics.
+_UNARY_DIRECT = {
+    aten.logical_not: jnp.logical_not, aten.isnan: jnp.isnan, aten.isinf: jnp.isinf,
+    aten.isfinite: jnp.isfinite, aten.signbit: jnp.signbit, aten.isneginf: jnp.isneginf,
+    aten.isposinf: jnp.isposinf,
+}
+for _op, _fn in _UNARY_DIRECT.items():
+    rule(_op)(lambda x, _fn=_fn: _fn(x))
+
+
+@rule(aten.relu)
+def _relu(x):
+    return jnp.maximum(x, jnp.zeros((), x.dtype))
+
+
+@rule(aten.gelu)
+def _gelu(x, approximate="none"):
+    return jax.nn.gelu(x, approximate=approximate == "tanh")
+
+
+@rule(aten.gelu_backward)
+def _gelu_backward(grad, x, approximate="none"):
+    _, vjp = jax.vjp(lambda v: jax.nn.gelu(v, approximate=approximate == "tanh"), x)
+    return vjp(grad)[0]
+
+
+@rule(aten.silu)
+def _silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+@rule(aten.silu_backward)
+def _silu_backward(grad, x):
+    s = jax.nn.sigmoid(x)
+    return grad * s * (1 + x * (1 - s))
+
+
+@rule(aten.mish)
+def _mish(x):
+    return x * jnp.tanh(jax.nn.softplus(x))
+
+
+@rule(aten.sigmoid_backward)
+def _sigmoid_backward(grad, out):
+    return grad * out * (1 - out)
+
+
+@rule(aten.tanh_backward)
+def _tanh_backward(grad, out):
+    return grad * (1 - out * out)
+
+
+@rule(aten.softplus)
+def _softplus(x, beta=1, threshold=20):
+    bx = x * beta
+    return jnp.where(bx > threshold, x, jnp.log1p(jnp.exp(bx)) / beta)
+
+
+@rule(aten.hardtanh)
+def _hardtanh(x, min_val=-1, max_val=1):
+    return jnp.clip(x, min_val, max_val)
+
+
+@rule(aten.hardtanh_backward)
+def _hardtanh_backward(grad, x, min_val, max_val):
+    return jnp.where((x <= min_val) | (x >= max_val), jnp.zeros((), grad.dtype), grad)
+
+
+@rule(aten.leaky_relu)
+def _leaky_relu(x, negative_slope=0.01):
+    return jnp.where(x > 0, x, x * negative_slope)
+
+
+@rule(aten.leaky_relu_backward)
+def _leaky_relu_backward(grad, x, negative_slope, self_is_result):
+    return jnp.where(x > 0, grad, grad * negative_slope)
+
+
+@rule(aten.elu)
+def _elu(x, alpha=1, scale=1, input_scale=1):
+    return jnp.where(x > 0, x * scale, (jnp.expm1(x * input_scale)) * alpha * scale)
+
+
+@rule(aten.hardsigmoid)
+def _hardsigmoid(x):
+    return jnp.clip(x / 6 + 0.5, 0, 1)
+
+
+@rule(aten.hardswish)
+def _hardswish(x):
+    return x * jnp.clip(x / 6 + 0.5, 0, 1)
+
+
+@rule(aten.threshold)
+def _threshold(x, threshold, value):
+    return jnp.where(x <= threshold, jnp.asarray(value, x.dtype), x)
+
+
+@rule(aten.threshold_backward)
+def _threshold_backward(grad, x, threshold):
+    return jnp.where(x <= threshold, jnp.zeros((), grad.dtype), grad)
+
+
+@rule(aten.igamma, torch.ops.prims.igamma.default)
+def _igamma(a, x):
+    a, x = promote(a, x)
+    return jax.scipy.special.gammainc(_float_like(a), _float_like(x))
+
+
+@rule(aten.igammac, torch.ops.prims.igammac.default)
+def _igammac(a, x):
+    a, x = promote(a, x)
+    return jax.scipy.special.gammaincc(_float_like(a), _float_like(x))
+
+
+@rule(aten.special_modified_bessel_i0)
+def _bessel_i0(x):
+    return jax.scipy.special.i0(_float_like(x))
+
+
+@rule(aten.special_modified_bessel_i1)
+def _bessel_i1(x):
+    return jax.scipy.special.i1(_float_like(x))
+
+
+@rule(torch.ops.prims.spherical_bessel_j0.default)
+def _spherical_bessel_j0(x):
+    x = _float_like(x)
+    safe = jnp.where(x == 0, jnp.ones((), x.dtype), x)
+    return jnp.where(x == 0, jnp.ones((), x.dtype), jnp.sin(safe) / safe)
+
+
+@rule(aten.gcd, torch.ops.prims.gcd.default)
+def _gcd(a, b):
+    return jnp.gcd(*promote(a, b))
+
+
+@rule(aten.lcm)
+def _lcm(a, b):
+    return jnp.lcm(*promote(a, b))
+
+
+@rule(torch.ops.prims.div.default)
+def _prims_div(a, b):
+    a, b = promote(a, b)
+    if _category(a.dtype) in (_INT, _BOOL):
+        return lax.div(*jnp.broadcast_arrays(a, b))
+    return a / b
+
+
+@rule(torch.ops.prims.frexp.default, aten.frexp.Tensor)
+def _frexp(x):
+    mantissa, exponent = jnp.frexp(x)
+    return mantissa, exponent.astype(np.int32)
+
+
+@rule(aten.angle)
+def _angle(x):
+    if _category(x.dtype) == _COMPLEX:
+        return jnp.angle(x)
+    x = _float_like(x)
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.asarray(np.pi, x.dtype),
+                                                 jnp.zeros((), x.dtype)))
+
+
+@rule(aten.logit)
+def _logit(x, eps=None):
+    x = _float_like(x)
+    if eps is not None:
+        x = jnp.clip(x, eps, 1 - eps)
+    return jnp.log(x / (1 - x))
+
+
+@rule(aten.nan_to_num)
+def _nan_to_num(x, nan=None, posinf=None, neginf=None):
+    return jnp.nan_to_num(x, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
+
+
+def _binary(fn, float_only=False):
+    def lower(a, b, *rest, **kwargs):
+        a, b = promote(a, b)
+        if float_only:
+            a, b = _float_like(a), _float_like(b)
+        return fn(a, b)
+    return lower
+
+
+_BINARY = {
+    aten.mul: jnp.multiply, aten.maximum: jnp.maximum, aten.minimum: jnp.minimum,
+    aten.fmax: jnp.fmax, aten.fmin: jnp.fmin, aten.eq: jnp.equal, aten.ne: jnp.not_equal,
+    aten.lt: jnp.less, aten.le: jnp.less_equal, aten.gt: jnp.greater, aten.ge: jnp.greater_equal,
+    aten.logical_and: jnp.logical_and, aten.logical_or: jnp.logical_or,
+    aten.logical_xor: jnp.logical_xor, aten.bitwise_and: jnp.bitwise_and,
+    aten.bitwise_or: jnp.bitwise_or, aten.bitwise_xor: jnp.bitwise_xor,
+    aten.bitwise_left_shift: jnp.left_shift, aten.bitwise_right_shift: jnp.right_shift,
+    aten.__lshift__: jnp.left_shift, aten.__rshift__: jnp.right_shift,
+    aten.heaviside: jnp.heaviside,
+}
+for _op, _fn in _BINARY.items():
+    rule(_op)(_binary(_fn))
+
+for _op, _fn in {aten.atan2: jnp.arctan2, aten.hypot: jnp.hypot, aten.copysign: jnp.copysign,
+                 aten.nextafter: jnp.nextafter, aten.logaddexp: jnp.logaddexp,
+                 aten.logaddexp2: jnp.logaddexp2,
+                 aten.xlogy: jax.scipy.special.xlogy,
+                 aten.special_xlog1py: jax.scipy.special.xlog1py}.items():
+    rule(_op)(_binary(_fn, float_only=True))
+
+
+@rule(aten.add)
+def _add(a, b, alpha=1):
+    a, b = promote(a, b)
+    if alpha is not None and not (isinstance(alpha, (int, float)) and alpha == 1):
+        b = b * jnp.asarray(alpha, b.dtype)
+    if a.dtype == np.bool_:
+        return a | b
+    return a + b
+
+
+@rule(aten.sub)
+def _sub(a, b, alpha=1):
+    a, b = promote(a, b)
+    if not (isinstance(alpha, (int, float)) and alpha == 1):
+        b = b * jnp.asarray(alpha, b.dtype)
+    return a - b
+
+
+@rule(aten.rsub)
+def _rsub(a, b, alpha=1):
+    return _sub(b, a, alpha)
+
+
+@rule(aten.div)
+def _div(a, b, rounding_mode=None):
+    a, b = promote(a, b)
+    if rounding_mode is None:
+        a, b = _float_like(a), _float_like(b)
+        return a / b
+    if rounding_mode == "trunc":
+        if _category(a.dtype) == _INT:
+            a, b = jnp.broadcast_arrays(a, b)
+            return lax.div(a, b)
+        return jnp.trunc(a / b)
+    return _floor_divide(a, b)
+
+
+@rule(aten.floor_divide)
+def _floor_divide(a, b):
+    a, b = promote(a, b)
+    if _category(a.dtype) == _INT:
+        return jnp.floor_divide(a, b)
+    return jnp.floor(a / b)
+
+
+@rule(aten.remainder)
+def _remainder(a, b):
+    a, b = promote(a, b)
+    return jnp.remainder(a, b)
+
+
+@rule(aten.fmod)
+def _fmod(a, b):
+    a, b = promote(a, b)
+    return jnp.fmod(a, b)
+
+
+@rule(aten.pow)
+def _pow(a, b):
+    if isinstance(b, (int, float)) and not isinstance(b, bool) and hasattr(a, "dtype"):
+        if float(b) == int(b) and abs(b) <= 4 and (b >= 0 or _category(a.dtype) >= _FLOAT):
+            return lax.integer_pow(_compute(a, result_dtype(a, b)), int(b))
+    a, b = promote(a, b)
+    if _category(a.dtype) == _INT:
+        return _int_pow(a, b)
+    return jnp.power(a, b)
+
+
+def _int_pow(a, b):
+    """Integer powers: a negative exponent gives 0 unless the base is 1 or -1 (as in ATen)."""
+    a, b = jnp.broadcast_arrays(a, b)
+    positive = jnp.power(a, jnp.maximum(b, 0))
+    one = jnp.ones((), a.dtype)
+    negative = jnp.where(a == 1, one, jnp.where(a == -1, jnp.where(b % 2 == 0, one, -one),
+                                                 jnp.zeros((), a.dtype)))
+    return jnp.where(b < 0, negative, positive)
+
+
+@rule(aten.where)
+def _where(cond, a=None, b=None):
+    a, b = promote(a, b)
+    return jnp.where(cond, a, b)
+
+
+@rule(aten.clamp, aten.clip)
+def _clamp(x, min=None, max=None):
+    dtype = result_dtype(x, min, max)
+    x = x.astype(dtype)
+    if min is not None:
+        x = jnp.maximum(x, jnp.asarray(min, dtype))
+    if max is not None:
+        x = jnp.minimum(x, jnp.asarray(max, dtype))
+    return x
+
+
+@rule(aten.clamp_min)
+def _clamp_min(x, min):
+    return _clamp(x, min=min)
+
+
+@rule(aten.clamp_max)
+def _clamp_max(x, max):
+    return _clamp(x, max=max)
+
+
+@rule(aten.lerp)
+def _lerp(start, end, weight):
+    start, end, weight = promote(start, end, weight)
+    return jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start),
+                     end - (end - start) * (1 - weight))
+
+
+@rule(aten.addcmul)
+def _addcmul(x, t1, t2, value=1):
+    x, t1, t2 = promote(x, t1, t2)
+    return x + jnp.asarray(value, x.dtype) * t1 * t2
+
+
+@rule(aten.addcdiv)
+def _addcdiv(x, t1, t2, value=1):
+    x, t1, t2 = promote(x, t1, t2)
+    return x + jnp.asarray(value, x.dtype) * (t1 / t2)
+
+
+@rule(aten.fill.Scalar, aten.fill.Tensor)
+def _fill(x, value):
+    return jnp.broadcast_to(jnp.asarray(value, x.dtype), x.shape)
+
+
+@rule(aten.zero)
+def _zero(x):
+    return jnp.zeros(x.shape, x.dtype)
+
+
+@rule(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def _masked_fill(x, mask, value):
+    return jnp.where(mask, jnp.asarray(value, x.dtype), x)
+
+
+@rule(aten.clone, aten.lift_fresh_copy, aten.alias_copy, aten.detach_copy, aten.contiguous)
+def _clone(x, *args, **kwargs):
+    return x
+
+
+@rule(aten.copy)
+def _copy(x, src, non_blocking=False):
+    return jnp.broadcast_to(src.astype(x.dtype), x.shape)
+
+
+@rule(aten._to_copy)
+def _to_copy(x, dtype=None, **kwargs):
+    if dtype is None:
+        return x
+    target = np_dtype(dtype)
+    if _category(x.dtype) == _COMPLEX and _category(target) != _COMPLEX:
+        x = jnp.real(x)
+    if target == np.bool_:
+        return x != 0
+    return x.astype(target)

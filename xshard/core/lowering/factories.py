@@ -1,0 +1,105 @@
+"""Factories: zeros, ones, full, arange, eye, linspace... (shapes and dtypes static)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.lowering.promotion import _FLOAT, _INT, _category
+from xshard.core.lowering.table import np_dtype, rule
+
+jax = runtime.jax_module()
+import jax.numpy as jnp  # noqa: E402
+
+aten = torch.ops.aten
+
+
+@rule(aten.empty.memory_format, aten.zeros.default)
+def _zeros(size, dtype=None, **kwargs):
+    return jnp.zeros(tuple(size), np_dtype(dtype))
+
+
+@rule(aten.empty_strided)
+def _empty_strided(size, stride, dtype=None, **kwargs):
+    return jnp.zeros(tuple(size), np_dtype(dtype))
+
+
+@rule(aten.ones.default)
+def _ones(size, dtype=None, **kwargs):
+    return jnp.ones(tuple(size), np_dtype(dtype))
+
+
+@rule(aten.full.default)
+def _full(size, fill_value, dtype=None, **kwargs):
+    return jnp.full(tuple(size), fill_value, np_dtype(dtype))
+
+
+@rule(aten.empty_like.default, aten.zeros_like.default)
+def _zeros_like(x, dtype=None, **kwargs):
+    return jnp.zeros(x.shape, np_dtype(dtype) if dtype is not None else x.dtype)
+
+
+@rule(aten.ones_like.default)
+def _ones_like(x, dtype=None, **kwargs):
+    return jnp.ones(x.shape, np_dtype(dtype) if dtype is not None else x.dtype)
+
+
+@rule(aten.full_like.default)
+def _full_like(x, fill_value, dtype=None, **kwargs):
+    return jnp.full(x.shape, fill_value, np_dtype(dtype) if dtype is not None else x.dtype)
+
+
+@rule(aten.scalar_tensor.default)
+def _scalar_tensor(value, dtype=None, **kwargs):
+    return jnp.asarray(value, np_dtype(dtype))
+
+
+@rule(aten.arange.start_step)
+def _arange(start, end, step=1, dtype=None, **kwargs):
+    dtype = np_dtype(dtype)
+    n = int(math.ceil((end - start) / step))
+    return (start + jnp.arange(max(n, 0), dtype=np.float64 if _category(dtype) >= _FLOAT
+                               else np.int64) * step).astype(dtype)
+
+
+@rule(aten.tril_indices.default)
+def _tril_indices(row, col, offset=0, dtype=None, **kwargs):
+    return jnp.asarray(np.stack(np.tril_indices(row, offset, col)), np_dtype(dtype))
+
+
+@rule(aten.triu_indices.default)
+def _triu_indices(row, col, offset=0, dtype=None, **kwargs):
+    return jnp.asarray(np.stack(np.triu_indices(row, offset, col)), np_dtype(dtype))
+
+
+@rule(aten.eye.default)
+def _eye(n, dtype=None, **kwargs):
+    return jnp.eye(n, dtype=np_dtype(dtype))
+
+
+@rule(aten.eye.m)
+def _eye_m(n, m, dtype=None, **kwargs):
+    return jnp.eye(n, m, dtype=np_dtype(dtype))
+
+
+@rule(aten.linspace.default)
+def _linspace(start, end, steps, dtype=None, **kwargs):
+    dtype = np_dtype(dtype)
+    if steps == 1:
+        return jnp.full((1,), start, dtype)
+    step = (end - start) / (steps - 1)
+    idx = jnp.arange(steps, dtype=np.float64)
+    half = steps // 2
+    out = jnp.where(idx < half, start + step * idx, end - step * (steps - 1 - idx))
+    if _category(dtype) == _INT:
+        out = jnp.trunc(out)
+    return out.astype(dtype)
+
+
+@rule(aten.logspace.default)
+def _logspace(start, end, steps, base=10.0, dtype=None, **kwargs):
+    return jnp.power(base, _linspace(start, end, steps, dtype=torch.float64)).astype(
+        np_dtype(dtype))

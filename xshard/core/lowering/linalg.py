@@ -1,0 +1,111 @@
+"""Linear algebra: matmuls (at HIGHEST precision, as PyTorch's float32 on CPU), decompositions."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.lowering.promotion import _INT, _category, promote
+from xshard.core.lowering.table import rule
+
+jax = runtime.jax_module()
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _mm_precision():
+    return lax.Precision.HIGHEST
+
+
+def _matmul(a, b):
+    a, b = promote(a, b)
+    if _category(a.dtype) == _INT or a.dtype == np.bool_:
+        return jnp.matmul(a, b)
+    return jnp.matmul(a, b, precision=_mm_precision())
+
+
+@rule(aten.mm, aten.bmm, aten.matmul, aten.dot, aten.mv, aten.vdot)
+def _mm(a, b):
+    return _matmul(a, b)
+
+
+def _scale(x, factor):
+    """``x * factor`` for a Python (or weak 0-d) ``factor``, cast to x's dtype as ATen does."""
+    if isinstance(factor, (int, float)) and factor == 1:
+        return x
+    return x * jnp.asarray(factor, x.dtype)
+
+
+@rule(aten.addmm)
+def _addmm(bias, a, b, beta=1, alpha=1):
+    out = _matmul(a, b)
+    out = _scale(out, alpha)
+    if isinstance(beta, (int, float)) and beta == 0:
+        return out  # bias is ignored, NaN included
+    return out + _scale(bias.astype(out.dtype), beta)
+
+
+@rule(aten.baddbmm)
+def _baddbmm(bias, a, b, beta=1, alpha=1):
+    return _addmm(bias, a, b, beta, alpha)
+
+
+@rule(aten.addmv)
+def _addmv(bias, a, v, beta=1, alpha=1):
+    return _addmm(bias, a, v, beta, alpha)
+
+
+@rule(aten.addbmm)
+def _addbmm(bias, a, b, beta=1, alpha=1):
+    out = _scale(jnp.sum(_matmul(a, b), axis=0), alpha)
+    if isinstance(beta, (int, float)) and beta == 0:
+        return out
+    return out + _scale(bias.astype(out.dtype), beta)
+
+
+@rule(aten._cdist_forward)
+def _cdist_forward(x1, x2, p, compute_mode=None):
+    diff = jnp.abs(x1[..., :, None, :] - x2[..., None, :, :])
+    return _p_norm_last(diff, p)
+
+
+def _p_norm_last(a, p):
+    if p == 0:
+        return jnp.sum((a != 0).astype(a.dtype), axis=-1)
+    if p == float("inf"):
+        return jnp.max(a, axis=-1, initial=0)
+    if p == 1:
+        return jnp.sum(a, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=-1))
+    return jnp.sum(a ** p, axis=-1) ** (1.0 / p)
+
+
+@rule(aten._pdist_forward)
+def _pdist_forward(x, p=2):
+    i, j = np.triu_indices(x.shape[0], 1)
+    return _p_norm_last(jnp.abs(x[i] - x[j]), p)
+
+
+@rule(aten.view_as_real)
+def _view_as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@rule(aten.complex)
+def _complex(real, imag):
+    return lax.complex(*jnp.broadcast_arrays(*promote(real, imag)))
+
+
+@rule(aten.polar)
+def _polar(absolute, angle):
+    absolute, angle = jnp.broadcast_arrays(*promote(absolute, angle))
+    return lax.complex(absolute * jnp.cos(angle), absolute * jnp.sin(angle))
+
+
+@rule(aten.outer)
+def _outer(a, b):
+    return jnp.outer(*promote(a, b))

@@ -1,0 +1,418 @@
+"""Neural-network ops: convolution, pooling, normalisation, losses, embedding, interpolation."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.lowering.linalg import _mm_precision
+from xshard.core.lowering.shape import _lowest
+from xshard.core.lowering.table import rule
+
+jax = runtime.jax_module()
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _conv_dimension_numbers(nd):
+    spatial = "DHW"[-nd:] if nd <= 3 else None
+    return lax.conv_dimension_numbers((1, 1) + (1,) * nd, (1, 1) + (1,) * nd,
+                                      ("NC" + spatial, "OI" + spatial, "NC" + spatial))
+
+
+@rule(aten.convolution.default)
+def _convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    nd = x.ndim - 2
+    dn = _conv_dimension_numbers(nd)
+    if not transposed:
+        out = lax.conv_general_dilated(
+            x, w, window_strides=tuple(stride), padding=[(p, p) for p in padding],
+            rhs_dilation=tuple(dilation), dimension_numbers=dn, feature_group_count=groups,
+            precision=_mm_precision())
+    else:
+        # Transposed conv = gradient of conv wrt its input: dilate the input, flip the kernel.
+        in_ch = w.shape[0]
+        out_per_group = w.shape[1]
+        k = w.reshape((groups, in_ch // groups, out_per_group) + w.shape[2:])
+        k = jnp.swapaxes(k, 1, 2).reshape((groups * out_per_group, in_ch // groups) + w.shape[2:])
+        k = jnp.flip(k, axis=tuple(range(2, 2 + nd)))
+        pads = [(d * (ks - 1) - p, d * (ks - 1) - p + op) for ks, p, d, op in
+                zip(w.shape[2:], padding, dilation, output_padding)]
+        out = lax.conv_general_dilated(
+            x, k, window_strides=(1,) * nd, padding=pads, lhs_dilation=tuple(stride),
+            rhs_dilation=tuple(dilation), dimension_numbers=dn, feature_group_count=groups,
+            precision=_mm_precision())
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * nd).astype(out.dtype)
+    return out
+
+
+@rule(aten.convolution_backward.default)
+def _convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
+                          output_padding, groups, output_mask):
+    def f(x_, w_):
+        return _convolution(x_, w_, None, stride, padding, dilation, transposed, output_padding,
+                            groups)
+    _, vjp = jax.vjp(f, x, w)
+    gx, gw = vjp(grad)
+    nd = x.ndim - 2
+    gb = jnp.sum(grad, axis=(0,) + tuple(range(2, 2 + nd))) if output_mask[2] else None
+    return (gx if output_mask[0] else None, gw if output_mask[1] else None, gb)
+
+
+def _bn_stats_shape(x):
+    return (1, -1) + (1,) * (x.ndim - 2)
+
+
+def _batch_norm_train(x, weight, bias, eps):
+    axes = (0,) + tuple(range(2, x.ndim))
+    xf = x.astype(np.float32) if x.dtype in (np.float16, jnp.bfloat16) else x
+    mean = jnp.mean(xf, axis=axes)
+    var = jnp.var(xf, axis=axes)
+    rstd = lax.rsqrt(var + eps)
+    shape = _bn_stats_shape(x)
+    out = (xf - mean.reshape(shape)) * rstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out.astype(x.dtype), mean, rstd, var
+
+
+def _batch_norm_eval(x, weight, bias, running_mean, running_var, eps):
+    shape = _bn_stats_shape(x)
+    rstd = lax.rsqrt(running_var + eps)
+    out = (x - running_mean.reshape(shape)) * rstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out.astype(x.dtype)
+
+
+def _update_running(running, batch, momentum):
+    return running * (1 - momentum) + batch.astype(running.dtype) * momentum
+
+
+@rule(aten._batch_norm_with_update_functional.default)
+def _bn_with_update(x, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, rstd, var = _batch_norm_train(x, weight, bias, eps)
+    n = x.size // x.shape[1]
+    unbiased = var * (n / max(n - 1, 1))
+    return (out, mean, rstd, jnp.zeros((0,), np.uint8),
+            _update_running(running_mean, mean, momentum),
+            _update_running(running_var, unbiased, momentum))
+
+
+@rule(aten._batch_norm_no_update.default)
+def _bn_no_update(x, weight, bias, running_mean, running_var, momentum, eps):
+    if running_mean is None:
+        out, mean, rstd, _ = _batch_norm_train(x, weight, bias, eps)
+        return out, mean, rstd, jnp.zeros((0,), np.uint8)
+    out = _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+    return out, jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype), jnp.zeros((0,), np.uint8)
+
+
+@rule(aten._native_batch_norm_legit_functional.default)
+def _bn_legit_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if training:
+        out, mean, rstd, var = _batch_norm_train(x, weight, bias, eps)
+        n = x.size // x.shape[1]
+        unbiased = var * (n / max(n - 1, 1))
+        return (out, mean, rstd, _update_running(running_mean, mean, momentum),
+                _update_running(running_var, unbiased, momentum))
+    out = _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+    return out, jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype), running_mean, running_var
+
+
+@rule(aten._native_batch_norm_legit_no_training.default)
+def _bn_legit_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    out = _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+    return out, jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype)
+
+
+@rule(aten._native_batch_norm_legit.no_stats)
+def _bn_legit_no_stats(x, weight, bias, training, momentum, eps):
+    out, mean, rstd, _ = _batch_norm_train(x, weight, bias, eps)
+    return out, mean, rstd
+
+
+@rule(aten.native_batch_norm_backward.default, aten.batch_norm_backward.default)
+def _bn_backward(grad, x, weight, running_mean, running_var, save_mean, save_rstd, train, eps,
+                 output_mask, *rest):
+    shape = _bn_stats_shape(x)
+    axes = (0,) + tuple(range(2, x.ndim))
+    if train:
+        mean, rstd = save_mean, save_rstd
+    else:
+        mean, rstd = running_mean, lax.rsqrt(running_var + eps)
+    gf = grad.astype(np.float32) if grad.dtype in (np.float16, jnp.bfloat16) else grad
+    xhat = (x - mean.reshape(shape)) * rstd.reshape(shape)
+    w = weight.reshape(shape) if weight is not None else 1.0
+    gw = jnp.sum(gf * xhat, axis=axes)
+    gb = jnp.sum(gf, axis=axes)
+    if train:
+        n = x.size // x.shape[1]
+        gx = (w * rstd.reshape(shape) / n) * (n * gf - gb.reshape(shape) - xhat * gw.reshape(shape))
+    else:
+        gx = gf * w * rstd.reshape(shape)
+    return (gx.astype(x.dtype) if output_mask[0] else None,
+            gw if output_mask[1] else None, gb if output_mask[2] else None)
+
+
+@rule(aten.native_layer_norm.default)
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    xf = x.astype(np.float32) if x.dtype in (np.float16, jnp.bfloat16) else x
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = (xf - mean) * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out.astype(x.dtype), mean, rstd
+
+
+@rule(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    batch_axes = tuple(range(x.ndim - len(normalized_shape)))
+    n = int(np.prod(normalized_shape))
+    xhat = (x - mean) * rstd
+    g = grad * weight if weight is not None else grad
+    gx = (rstd / n) * (n * g - jnp.sum(g, axis=axes, keepdims=True)
+                       - xhat * jnp.sum(g * xhat, axis=axes, keepdims=True))
+    gw = jnp.sum(grad * xhat, axis=batch_axes) if output_mask[1] and weight is not None else None
+    gb = jnp.sum(grad, axis=batch_axes) if output_mask[2] and bias is not None else None
+    return (gx.astype(x.dtype) if output_mask[0] else None, gw, gb)
+
+
+def _pool_pads(x_shape, kernel, stride, padding, dilation, ceil_mode):
+    pads = []
+    for size, k, s, p, d in zip(x_shape, kernel, stride, padding, dilation):
+        eff = d * (k - 1) + 1
+        out = (size + 2 * p - eff) // s + 1
+        if ceil_mode:
+            out = -(-(size + 2 * p - eff) // s) + 1
+            if (out - 1) * s >= size + p:
+                out -= 1
+        hi = (out - 1) * s + eff - size - p
+        pads.append((p, max(hi, 0)))
+    return pads
+
+
+def _norm_pool_args(nd, kernel, stride, padding, dilation=1):
+    def tup(v, default):
+        if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+            v = default
+        if isinstance(v, int):
+            return (v,) * nd
+        return tuple(v) * (nd if len(v) == 1 else 1)
+    kernel = tup(kernel, None)
+    return kernel, tup(stride, kernel), tup(padding, 0), tup(dilation, 1)
+
+
+@rule(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+def _max_pool_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    nd = 2 if len(kernel_size) <= 2 and (x.ndim in (3, 4)) else 3
+    kernel, stride, padding, dilation = _norm_pool_args(nd, kernel_size, stride, padding,
+                                                          dilation)
+    spatial = x.shape[-nd:]
+    pads = _pool_pads(spatial, kernel, stride, padding, dilation, ceil_mode)
+    lead = x.ndim - nd
+    init = _lowest(x.dtype)
+    # Flat spatial index of every input element, carried along to find the argmax.
+    flat_idx = jnp.arange(int(np.prod(spatial)), dtype=np.int64).reshape(spatial)
+    flat_idx = jnp.broadcast_to(flat_idx, x.shape)
+    window = (1,) * lead + kernel
+    strides = (1,) * lead + stride
+    dil = (1,) * lead + dilation
+    full_pads = [(0, 0)] * lead + pads
+
+    def reducer(a, b):
+        av, ai = a
+        bv, bi = b
+        take_b = (bv > av) | jnp.isnan(bv) | ((bv == av) & (bi < ai))
+        take_b = take_b & ~jnp.isnan(av) | (jnp.isnan(bv) & ~jnp.isnan(av))
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+    vals, idx = lax.reduce_window((x, flat_idx), (jnp.asarray(init, x.dtype),
+                                                   jnp.asarray(-1, np.int64)),
+                                  reducer, window, strides, full_pads, window_dilation=dil)
+    return vals, idx
+
+
+@rule(aten.max_pool2d_with_indices_backward.default,
+      aten.max_pool3d_with_indices_backward.default)
+def _max_pool_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    nd = len(kernel_size) if len(kernel_size) > 1 else (2 if x.ndim in (3, 4) else 3)
+    lead = x.ndim - nd
+    spatial = int(np.prod(x.shape[-nd:]))
+    g = grad.reshape(x.shape[:lead] + (-1,))
+    i = indices.reshape(x.shape[:lead] + (-1,))
+    out = jnp.zeros(x.shape[:lead] + (spatial,), grad.dtype)
+    lead_idx = jnp.meshgrid(*[jnp.arange(n) for n in x.shape[:lead]], jnp.arange(g.shape[-1]),
+                            indexing="ij")
+    out = out.at[tuple(lead_idx[:-1]) + (i,)].add(g)
+    return out.reshape(x.shape)
+
+
+@rule(aten.avg_pool2d.default, aten.avg_pool3d.default)
+def _avg_pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+              divisor_override=None):
+    nd = len(kernel_size) if isinstance(kernel_size, (list, tuple)) and len(kernel_size) > 1 \
+        else (2 if x.ndim in (3, 4) else 3)
+    kernel, stride, padding, _ = _norm_pool_args(nd, kernel_size, stride, padding)
+    lead = x.ndim - nd
+    pads = _pool_pads(x.shape[-nd:], kernel, stride, padding, (1,) * nd, ceil_mode)
+    window = (1,) * lead + kernel
+    strides = (1,) * lead + stride
+    full_pads = [(0, 0)] * lead + pads
+    # A concrete (numpy) zero: lax.reduce_window then recognises a sum, which JAX can differentiate.
+    total = lax.reduce_window(x, np.zeros((), x.dtype), lax.add, window, strides, full_pads)
+    if divisor_override:
+        return total / divisor_override
+    if count_include_pad:
+        # Count window cells inside the input padded by `padding` (not the ceil-mode extra).
+        ones = jnp.ones(x.shape[-nd:], x.dtype)
+        ones = jnp.pad(ones, [(p, p) for p in padding], constant_values=1)
+        extra = [(0, hi - p) for (lo, hi), p in zip(pads, padding)]
+        counts = lax.reduce_window(ones, jnp.zeros((), x.dtype), lax.add, kernel, stride,
+                                   [(0, max(e[1], 0)) for e in extra])
+    else:
+        ones = jnp.ones(x.shape[-nd:], x.dtype)
+        counts = lax.reduce_window(ones, jnp.zeros((), x.dtype), lax.add, kernel, stride, pads)
+    return total / counts
+
+
+@rule(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+def _avg_pool_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                       divisor_override):
+    _, vjp = jax.vjp(lambda v: _avg_pool(v, kernel_size, stride, padding, ceil_mode,
+                                         count_include_pad, divisor_override), x)
+    return vjp(grad)[0]
+
+
+def _adaptive_bounds(size, out):
+    return [((i * size) // out, -(-((i + 1) * size) // out)) for i in range(out)]
+
+
+@rule(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+def _adaptive_avg_pool(x, output_size):
+    nd = len(output_size)
+    out = x
+    for d, o in enumerate(output_size):
+        axis = x.ndim - nd + d
+        size = x.shape[axis]
+        if size % o == 0:
+            k = size // o
+            shape = out.shape[:axis] + (o, k) + out.shape[axis + 1:]
+            out = jnp.mean(out.reshape(shape), axis=axis + 1)
+        else:
+            pieces = [jnp.mean(lax.slice_in_dim(out, a, b, 1, axis), axis=axis, keepdims=True)
+                      for a, b in _adaptive_bounds(size, o)]
+            out = jnp.concatenate(pieces, axis=axis)
+    return out
+
+
+@rule(aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default)
+def _adaptive_avg_pool_backward(grad, x):
+    nd = 2 if grad.ndim == x.ndim and len(x.shape) in (3, 4) else 3
+    _, vjp = jax.vjp(lambda v: _adaptive_avg_pool(v, grad.shape[-nd:]), x)
+    return vjp(grad)[0]
+
+
+@rule(aten.nll_loss_forward.default)
+def _nll_loss_forward(x, target, weight, reduction, ignore_index):
+    if x.ndim == 1:
+        x = x[None]
+        target = target[None]
+    picked = -jnp.take_along_axis(x, jnp.clip(target, 0, x.shape[1] - 1)[:, None], axis=1)[:, 0]
+    valid = target != ignore_index
+    w = jnp.ones((x.shape[1],), x.dtype) if weight is None else weight
+    wt = jnp.where(valid, w[jnp.clip(target, 0, x.shape[1] - 1)], 0)
+    losses = picked * wt
+    total_weight = jnp.sum(wt)
+    if reduction == 0:
+        return losses, jnp.zeros((), x.dtype)
+    if reduction == 1:
+        return jnp.sum(losses) / total_weight, total_weight
+    return jnp.sum(losses), total_weight
+
+
+@rule(aten.nll_loss_backward.default)
+def _nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
+    squeeze = x.ndim == 1
+    if squeeze:
+        x = x[None]
+        target = target[None]
+    n, c = x.shape
+    safe = jnp.clip(target, 0, c - 1)
+    w = jnp.ones((c,), x.dtype) if weight is None else weight
+    wt = jnp.where(target != ignore_index, w[safe], 0)
+    if reduction == 0:
+        g = grad.reshape(-1) * wt
+    elif reduction == 1:
+        g = grad * wt / total_weight
+    else:
+        g = grad * wt
+    out = jnp.zeros((n, c), x.dtype).at[jnp.arange(n), safe].set(-g.astype(x.dtype))
+    return out[0] if squeeze else out
+
+
+@rule(aten.mse_loss.default)
+def _mse_loss(x, target, reduction=1):
+    d = jnp.square(x - target)
+    return _reduce_loss(d, reduction)
+
+
+def _reduce_loss(v, reduction):
+    if reduction == 1:
+        return jnp.mean(v)
+    if reduction == 2:
+        return jnp.sum(v)
+    return v
+
+
+@rule(aten.mse_loss_backward.default)
+def _mse_loss_backward(grad, x, target, reduction):
+    g = 2 * (x - target) * grad
+    if reduction == 1:
+        g = g / x.size
+    return g
+
+
+@rule(aten.binary_cross_entropy_with_logits.default)
+def _bce_logits(x, target, weight=None, pos_weight=None, reduction=1):
+    log_sig = jax.nn.log_sigmoid(x)
+    log_one_minus = jax.nn.log_sigmoid(-x)
+    if pos_weight is not None:
+        loss = -(pos_weight * target * log_sig + (1 - target) * log_one_minus)
+    else:
+        loss = -(target * log_sig + (1 - target) * log_one_minus)
+    if weight is not None:
+        loss = loss * weight
+    return _reduce_loss(loss, reduction)
+
+
+@rule(aten.upsample_nearest2d.default)
+def _upsample_nearest2d(x, output_size, scales_h=None, scales_w=None):
+    h, w = x.shape[-2:]
+    oh, ow = output_size
+    sh = (h / oh) if scales_h is None else 1.0 / scales_h
+    sw = (w / ow) if scales_w is None else 1.0 / scales_w
+    ih = np.minimum(np.floor(np.arange(oh) * sh).astype(np.int64), h - 1)
+    iw = np.minimum(np.floor(np.arange(ow) * sw).astype(np.int64), w - 1)
+    return x[..., ih, :][..., iw]
+
+
+@rule(aten.upsample_nearest2d_backward.default)
+def _upsample_nearest2d_backward(grad, output_size, input_size, scales_h=None, scales_w=None):
+    x = jnp.zeros(tuple(input_size), grad.dtype)
+    _, vjp = jax.vjp(lambda v: _upsample_nearest2d(v, output_size, scales_h, scales_w), x)
+    return vjp(grad)[0]

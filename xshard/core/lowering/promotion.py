@@ -1,0 +1,70 @@
+"""Type promotion as PyTorch does it, for rules whose jax counterpart promotes differently."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.lowering.table import np_dtype
+
+jax = runtime.jax_module()
+import jax.numpy as jnp  # noqa: E402
+
+aten = torch.ops.aten
+
+
+_BOOL, _INT, _FLOAT, _COMPLEX = 0, 1, 2, 3
+
+
+def _category(dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return _BOOL
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return _COMPLEX
+    if jnp.issubdtype(dtype, jnp.floating):
+        return _FLOAT
+    return _INT
+
+
+def _is_weak(x) -> bool:
+    return getattr(x, "weak_type", False) or isinstance(x, (bool, int, float, complex))
+
+
+def result_dtype(*xs):
+    """PyTorch's result type: dimensioned tensors > zero-dim tensors > Python scalars (weak)."""
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    from xshard.core.dtypes import to_torch_dtype
+
+    operands = []
+    for x in xs:
+        if x is None:
+            continue
+        if isinstance(x, (bool, int, float, complex)):
+            operands.append(x)
+        elif _is_weak(x):
+            operands.append({_BOOL: False, _INT: 0, _FLOAT: 0.0, _COMPLEX: 0j}[_category(x.dtype)])
+        else:
+            shape = () if jnp.ndim(x) == 0 else (1,)
+            operands.append(torch.empty(shape, dtype=to_torch_dtype(x.dtype), device="meta"))
+    _, dtype = elementwise_dtypes(
+        *operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.NO_OPMATH)
+    return np_dtype(dtype)
+
+
+def promote(*xs):
+    dtype = result_dtype(*xs)
+    return tuple(None if x is None else jnp.asarray(x, dtype=dtype) for x in xs)
+
+
+def _compute(x, dtype):
+    return jnp.asarray(x, dtype=dtype)
+
+
+def _float_like(x):
+    """Integers and bools computed in float, as PyTorch's unary float ops do (default float32)."""
+    if _category(x.dtype) in (_BOOL, _INT):
+        return x.astype(jnp.float32)
+    return x

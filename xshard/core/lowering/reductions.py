@@ -1,0 +1,321 @@
+"""Reductions (sum, mean, var, norms, min/max, cumulative ops, top-k) and softmax."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.lowering.promotion import _BOOL, _FLOAT, _INT, _category, _float_like, promote
+from xshard.core.lowering.table import np_dtype, rule
+
+jax = runtime.jax_module()
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _dims(x, dim):
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return None
+    if isinstance(dim, int):
+        dim = (dim,)
+    return tuple(d % max(x.ndim, 1) for d in dim) if x.ndim else None
+
+
+def _acc_dtype(x, dtype):
+    if dtype is not None:
+        return np_dtype(dtype)
+    if _category(x.dtype) in (_BOOL, _INT):
+        return np.int64
+    return x.dtype
+
+
+@rule(aten.sum.default, aten.sum.dim_IntList)
+def _sum(x, dim=None, keepdim=False, dtype=None):
+    acc = _acc_dtype(x, dtype)
+    return jnp.sum(x.astype(acc), axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.prod.default, aten.prod.dim_int)
+def _prod(x, dim=None, keepdim=False, dtype=None):
+    acc = _acc_dtype(x, dtype)
+    return jnp.prod(x.astype(acc), axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.mean.default, aten.mean.dim)
+def _mean(x, dim=None, keepdim=False, dtype=None):
+    if dtype is not None:
+        x = x.astype(np_dtype(dtype))
+    return jnp.mean(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.amax)
+def _amax(x, dim=(), keepdim=False):
+    return jnp.max(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.amin)
+def _amin(x, dim=(), keepdim=False):
+    return jnp.min(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.max.default)
+def _max_all(x):
+    return jnp.max(x)
+
+
+@rule(aten.min.default)
+def _min_all(x):
+    return jnp.min(x)
+
+
+@rule(aten.max.dim)
+def _max_dim(x, dim, keepdim=False):
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    return jnp.max(x, axis=dim, keepdims=keepdim), _argmax(x, dim, keepdim)
+
+
+@rule(aten.min.dim)
+def _min_dim(x, dim, keepdim=False):
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    return jnp.min(x, axis=dim, keepdims=keepdim), _argmin(x, dim, keepdim)
+
+
+@rule(aten.maximum.default)
+def _maximum(a, b):
+    a, b = promote(a, b)
+    return jnp.maximum(a, b)
+
+
+@rule(aten.argmax)
+def _argmax(x, dim=None, keepdim=False):
+    if x.ndim == 0:
+        return jnp.zeros((), np.int64)
+    if dim is None:
+        out = jnp.argmax(jnp.ravel(x))
+        return jnp.reshape(out, (1,) * x.ndim) if keepdim else out
+    return jnp.argmax(x, axis=dim % x.ndim, keepdims=keepdim).astype(np.int64)
+
+
+@rule(aten.argmin)
+def _argmin(x, dim=None, keepdim=False):
+    if x.ndim == 0:
+        return jnp.zeros((), np.int64)
+    if dim is None:
+        out = jnp.argmin(jnp.ravel(x))
+        return jnp.reshape(out, (1,) * x.ndim) if keepdim else out
+    return jnp.argmin(x, axis=dim % x.ndim, keepdims=keepdim).astype(np.int64)
+
+
+def _correction(correction, unbiased=None):
+    if correction is None:
+        return 1 if unbiased is None or unbiased else 0
+    return correction
+
+
+@rule(aten.var.correction)
+def _var(x, dim=None, correction=None, keepdim=False):
+    return jnp.var(x, axis=_dims(x, dim), ddof=_correction(correction), keepdims=keepdim)
+
+
+@rule(aten.std.correction)
+def _std(x, dim=None, correction=None, keepdim=False):
+    return jnp.std(x, axis=_dims(x, dim), ddof=_correction(correction), keepdims=keepdim)
+
+
+@rule(aten.var_mean.correction)
+def _var_mean(x, dim=None, correction=None, keepdim=False):
+    axis = _dims(x, dim)
+    return (jnp.var(x, axis=axis, ddof=_correction(correction), keepdims=keepdim),
+            jnp.mean(x, axis=axis, keepdims=keepdim))
+
+
+@rule(aten.std_mean.correction)
+def _std_mean(x, dim=None, correction=None, keepdim=False):
+    axis = _dims(x, dim)
+    return (jnp.std(x, axis=axis, ddof=_correction(correction), keepdims=keepdim),
+            jnp.mean(x, axis=axis, keepdims=keepdim))
+
+
+@rule(aten.any.default, aten.any.dim, aten.any.dims)
+def _any(x, dim=None, keepdim=False):
+    return jnp.any(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.all.default, aten.all.dim, aten.all.dims)
+def _all(x, dim=None, keepdim=False):
+    return jnp.all(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.logsumexp)
+def _logsumexp(x, dim=(), keepdim=False):
+    x = _float_like(x)
+    return jax.nn.logsumexp(x, axis=_dims(x, dim), keepdims=keepdim)
+
+
+@rule(aten.linalg_vector_norm)
+def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
+    if dtype is not None:
+        x = x.astype(np_dtype(dtype))
+    axis = _dims(x, dim)
+    a = jnp.abs(x)
+    if ord == float("inf"):
+        return jnp.max(a, axis=axis, keepdims=keepdim)
+    if ord == float("-inf"):
+        return jnp.min(a, axis=axis, keepdims=keepdim)
+    if ord == 0:
+        return jnp.sum((a != 0).astype(x.dtype), axis=axis, keepdims=keepdim)
+    if ord == 1:
+        return jnp.sum(a, axis=axis, keepdims=keepdim)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=axis, keepdims=keepdim))
+    return jnp.sum(a ** ord, axis=axis, keepdims=keepdim) ** (1.0 / ord)
+
+
+@rule(aten.cumsum)
+def _cumsum(x, dim, dtype=None):
+    acc = _acc_dtype(x, dtype)
+    if x.ndim == 0:
+        return x.astype(acc)
+    return jnp.cumsum(x.astype(acc), axis=dim % x.ndim)
+
+
+@rule(aten.cumprod)
+def _cumprod(x, dim, dtype=None):
+    acc = _acc_dtype(x, dtype)
+    if x.ndim == 0:
+        return x.astype(acc)
+    return jnp.cumprod(x.astype(acc), axis=dim % x.ndim)
+
+
+@rule(aten.logcumsumexp)
+def _logcumsumexp(x, dim):
+    return lax.cumlogsumexp(x, axis=dim % x.ndim) if x.ndim else x
+
+
+def _cum_extreme(x, dim, better):
+    """Running max/min with the index of its latest occurrence; NaN wins and stays (as in ATen)."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    dim = dim % x.ndim
+    shape = [1] * x.ndim
+    shape[dim] = x.shape[dim]
+    idx = jnp.broadcast_to(jnp.arange(x.shape[dim], dtype=np.int64).reshape(shape), x.shape)
+
+    def combine(a, b):
+        (va, ia), (vb, ib) = a, b
+        take_b = better(vb, va) | (vb == va)
+        if _category(x.dtype) == _FLOAT:
+            take_b = jnp.isnan(vb) | (~jnp.isnan(va) & take_b)
+        return jnp.where(take_b, vb, va), jnp.where(take_b, ib, ia)
+
+    return lax.associative_scan(combine, (x, idx), axis=dim)
+
+
+@rule(aten.cummax)
+def _cummax(x, dim):
+    return _cum_extreme(x, dim, jnp.greater)
+
+
+@rule(aten.cummin)
+def _cummin(x, dim):
+    return _cum_extreme(x, dim, jnp.less)
+
+
+@rule(aten.median.default)
+def _median(x):
+    flat = jnp.sort(jnp.ravel(x))  # NaNs sort last
+    value = flat[(flat.size - 1) // 2]
+    if _category(x.dtype) == _FLOAT:
+        value = jnp.where(jnp.any(jnp.isnan(flat)), jnp.nan, value)
+    return value
+
+
+@rule(aten.nanmedian.default)
+def _nanmedian(x):
+    flat = jnp.sort(jnp.ravel(x))
+    if _category(x.dtype) != _FLOAT:
+        return flat[(flat.size - 1) // 2]
+    count = jnp.sum(~jnp.isnan(flat))
+    return jnp.where(count > 0, flat[jnp.maximum(count - 1, 0) // 2], jnp.nan)
+
+
+@rule(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def _searchsorted(sorted_sequence, values, out_int32=False, right=False, side=None, sorter=None):
+    seq = sorted_sequence
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter, axis=-1)
+    side = side or ("right" if right else "left")
+    values = jnp.asarray(values)
+    dtype = np.int32 if out_int32 else np.int64
+    if seq.ndim == 1:
+        return jnp.searchsorted(seq, values, side=side).astype(dtype)
+    lead = seq.shape[:-1]
+    flat_seq = seq.reshape((-1, seq.shape[-1]))
+    flat_values = values.reshape((flat_seq.shape[0], -1))
+    out = jax.vmap(lambda s, v: jnp.searchsorted(s, v, side=side))(flat_seq, flat_values)
+    return out.reshape(lead + values.shape[-1:]).astype(dtype)
+
+
+@rule(aten.sort.default, aten.sort.stable)
+def _sort(x, *args, stable=None, dim=-1, descending=False):
+    if args:
+        dim = args[0]
+        descending = args[1] if len(args) > 1 else descending
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    dim = dim % x.ndim
+    key = -x if descending and _category(x.dtype) != _BOOL else x
+    if descending and _category(x.dtype) == _BOOL:
+        key = ~x
+    idx = jnp.argsort(key, axis=dim, stable=True)
+    if descending and _category(x.dtype) == _FLOAT:
+        # NaN sorts first when descending, last when ascending (as in PyTorch).
+        idx = jnp.take_along_axis(idx, jnp.argsort(jnp.take_along_axis(
+            ~jnp.isnan(x), idx, axis=dim), axis=dim, stable=True), axis=dim)
+    return jnp.take_along_axis(x, idx, axis=dim), idx.astype(np.int64)
+
+
+@rule(aten.topk)
+def _topk(x, k, dim=-1, largest=True, sorted=True):
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    dim = dim % x.ndim
+    moved = jnp.moveaxis(x, dim, -1)
+    if largest:
+        vals, idx = lax.top_k(moved, k)
+    else:
+        vals, idx = lax.top_k(-moved, k)
+        vals = -vals
+    return jnp.moveaxis(vals, -1, dim), jnp.moveaxis(idx, -1, dim).astype(np.int64)
+
+
+
+
+
+@rule(aten._softmax)
+def _softmax(x, dim, half_to_float=False):
+    out = jax.nn.softmax(x.astype(np.float32) if half_to_float else x, axis=dim % max(x.ndim, 1))
+    return out
+
+
+@rule(aten._log_softmax)
+def _log_softmax(x, dim, half_to_float=False):
+    return jax.nn.log_softmax(x.astype(np.float32) if half_to_float else x,
+                              axis=dim % max(x.ndim, 1))
+
+
+@rule(aten._softmax_backward_data)
+def _softmax_backward_data(grad, out, dim, input_dtype):
+    dim = dim % max(out.ndim, 1)
+    return out * (grad - jnp.sum(grad * out, axis=dim, keepdims=True))
+
+
+@rule(aten._log_softmax_backward_data)
+def _log_softmax_backward_data(grad, out, dim, input_dtype):
+    dim = dim % max(out.ndim, 1)
+    return grad - jnp.exp(out) * jnp.sum(grad, axis=dim, keepdims=True)

@@ -1,0 +1,92 @@
+"""The lowering table itself: aten overload (or xshard op name) -> rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from xshard.core import runtime
+from xshard.core.dtypes import to_numpy_dtype
+from xshard.core.ir import Slot
+
+jnp = runtime.jax_module().numpy
+
+RULES: dict = {}
+
+
+def rule(*ops):
+    """Registers the decorated function as the rule of ``ops`` (a packet: all its overloads not
+    registered yet)."""
+    def register(fn):
+        for op in ops:
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                for name in op.overloads():
+                    RULES.setdefault(getattr(op, name), fn)
+            else:
+                RULES[op] = fn
+        return fn
+    return register
+
+
+def has_rule(op) -> bool:
+    return op in RULES
+
+
+def np_dtype(dtype: torch.dtype):
+    return to_numpy_dtype(dtype)
+
+
+class LoweringError(RuntimeError):
+    """A rule failed, or returned a value PyTorch's meta kernel says it cannot be."""
+
+
+def thaw(x, args):
+    """Static template ``x`` with each ``Slot`` replaced by its argument."""
+    if type(x) is Slot:
+        return args[x.index]
+    if type(x) is tuple:
+        return tuple([thaw(v, args) for v in x])
+    return x
+
+
+def apply_rule(op, rule, template, args, shape, dtype, outputs=None):
+    """Calls ``rule`` on ``args`` (jax values, one per input slot) with ``template``'s static
+    arguments; the result conformed to ``shape``/``dtype`` (or per ``outputs`` of a multi-output
+    op)."""
+    targs, tkwargs = template
+    try:
+        out = rule(*thaw(targs, args), **{k: thaw(v, args) for k, v in tkwargs})
+    except LoweringError:
+        raise
+    except Exception as e:
+        raise LoweringError(f"lowering {op} failed: {type(e).__name__}: {e}") from e
+    if outputs is None:
+        return conform(out, shape, dtype, op)
+    if not isinstance(out, (tuple, list)) or len(out) < len(outputs):
+        raise LoweringError(f"the rule of {op} returned {type(out).__name__} where PyTorch has "
+                            f"{len(outputs)} outputs")
+    return tuple(None if meta is None or o is None else conform(o, meta[0], meta[1], op)
+                 for o, meta in zip(out, outputs))
+
+
+def conform(x, shape, dtype, op):
+    """``x`` as PyTorch's meta kernel describes the result: exactly ``shape``, and ``dtype``.
+
+    A rule may compute in another dtype (JAX's promotion where PyTorch's differs, or integer
+    results computed in floating point): the result is cast to ``dtype``. A result of another
+    shape is a bug in the rule, and so is a complex result where PyTorch's is real (the cast would
+    drop the imaginary part): either raises, naming the op.
+    """
+    x = jnp.asarray(x)
+    if tuple(x.shape) != tuple(shape):
+        raise LoweringError(
+            f"the rule of {op} produced shape {tuple(x.shape)}, PyTorch expects {tuple(shape)}")
+    want = to_numpy_dtype(dtype)
+    if x.dtype != want:
+        if jnp.issubdtype(x.dtype, jnp.complexfloating) and \
+                not jnp.issubdtype(want, jnp.complexfloating):
+            raise LoweringError(
+                f"the rule of {op} produced {x.dtype}, PyTorch expects {want}: a cast would drop "
+                f"the imaginary part")
+        x = x.astype(want)
+    return x

@@ -1,0 +1,391 @@
+"""Recording: an aten call on xshard tensors becomes IR nodes; nothing runs.
+
+A call's arguments are frozen once into a static template (tensors and dynamic scalars become
+``Slot``s into the node's inputs) and a key that spells out every static value exactly, every
+argument's type and every tensor's shape, stride and dtype. The key finds, in one lookup, PyTorch's
+own meta-kernel result for the call (output shapes, strides, dtypes: type promotion and
+broadcasting exactly as eager) and the node's interned key (see [Note: exact keys] in
+xshard.core.ir).
+
+In-place ops are recorded as their functional twin's node from the same freezing and written into
+their targets (see [Note: cells and views] in xshard.core.cells); the dispatcher is not re-entered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xshard.core import ir, rng
+from xshard.core.backend import DEVICE_TYPE
+from xshard.core.cells import LazyTensor, ViewStep
+from xshard.core.execute import upload_node
+from xshard.core.ops import NO_DEFAULT, facts
+
+aten = torch.ops.aten
+
+
+class DeviceMismatchError(RuntimeError):
+    pass
+
+
+# -- freezing arguments into a static template plus inputs ------------------------------------------
+
+_SCALAR_TYPES = (bool, int, float, complex)
+
+
+class Frozen:
+    """A call's graph inputs, and the exact key of its static part, collected while its arguments
+    are frozen into a template.
+
+    With ``nodes=False`` only the key is built: no input node is made (no view replayed, no CPU
+    tensor read), for calls that only need the metadata.
+    """
+
+    __slots__ = ("inputs", "key", "nodes", "index_args")
+
+    def __init__(self, code, nodes=True, index_args=False):
+        self.inputs = []
+        self.key = [code]
+        self.nodes = nodes
+        self.index_args = index_args
+
+    def tensor(self, t):
+        if isinstance(t, LazyTensor):
+            self.inputs.append(t._value() if self.nodes else None)
+            self.key.append((t.shape, t.stride(), t.dtype))
+        elif t.device.type == "cpu" and t.dim() == 0:
+            # A 0-dim CPU tensor, allowed with device tensors as on CUDA: a strongly typed scalar
+            # input (its value read now, as eager reads it at the call), not an upload.
+            self.inputs.append(ir.scalar_node(t.item(), t.dtype) if self.nodes else None)
+            self.key.append(("cpu0", t.dtype))
+        elif self.index_args and t.device.type == "cpu":
+            # An index tensor on the CPU, allowed as on CUDA: uploaded.
+            self.inputs.append(upload_node(t) if self.nodes else None)
+            self.key.append(("cpu", t.shape, t.dtype))
+        else:
+            raise DeviceMismatchError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{DEVICE_TYPE}:0 and {t.device} (a tensor of shape {tuple(t.shape)}). Move it "
+                f"with t.to(xshard.device()) first; only 0-dim CPU tensors, and CPU index "
+                f"tensors, may be mixed with device tensors.")
+        return ir.slot(len(self.inputs) - 1)
+
+    def freeze(self, x, dynamic=None):
+        if isinstance(x, torch.Tensor):
+            return self.tensor(x)
+        t = type(x)
+        if t is list or t is tuple:
+            # Nesting is spelled out, and each static value's type (True == 1 and hash equally,
+            # yet sum(x, [0, 1]) and sum(x, [0], True) differ).
+            self.key.append(("seq", t, len(x)))
+            if dynamic is not None and x and all(type(v) in _SCALAR_TYPES for v in x):
+                return tuple([self.freeze(v, dynamic) for v in x])
+            return tuple([self.freeze(v) for v in x])
+        if dynamic is not None and t in _SCALAR_TYPES:
+            default = dynamic[0]
+            if default is NO_DEFAULT or x != default or t is not type(default):
+                self.inputs.append(ir.scalar_node(x) if self.nodes else None)
+                self.key.append(t)
+                return ir.slot(len(self.inputs) - 1)
+        if isinstance(x, torch.Generator):
+            raise TypeError(
+                "xshard random ops draw from the device's own stream; pass generator=None and seed "
+                "it with torch.manual_seed(seed).")
+        self.key.append(ir.exact(x))
+        return x
+
+
+def freeze_call(f, args, kwargs, nodes=True, code=None):
+    """``(template, Frozen)`` of a call of the op whose facts are ``f``. ``code``: the op the key
+    names (an in-place op's key under its functional twin)."""
+    rec = Frozen(f.code if code is None else code, nodes, bool(f.cpu_index_names))
+    dyn = f.positional_dynamic
+    n = len(dyn)
+    index_positions = f.cpu_index_positions
+    targs = []
+    for i, a in enumerate(args):
+        rec.index_args = i in index_positions
+        targs.append(rec.freeze(a, dyn[i] if i < n else None))
+    tkwargs = []
+    if kwargs:
+        for k, v in kwargs.items():
+            if k == "generator" and v is None:
+                continue
+            rec.key.append(k)
+            rec.index_args = k in f.cpu_index_names
+            tkwargs.append((k, rec.freeze(v, f.kw_dynamic.get(k))))
+    return (tuple(targs), tuple(tkwargs)), rec
+
+
+# -- meta inference -----------------------------------------------------------------------------
+
+# frozen call key -> (output spec, interned node key)
+_META: dict = {}
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        if isinstance(x, LazyTensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        if x.dim() == 0:
+            return torch.empty((), dtype=x.dtype, device="meta")
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
+        return torch.device("meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    return x
+
+
+def meta(func, args, kwargs, key: tuple):
+    """``(spec, node key)`` of a call: the output spec PyTorch's meta kernel gives (``("t", shape,
+    stride, dtype, offset)``, ``("seq", type, specs)`` or ``("const", value)``), cached by ``key``."""
+    entry = _META.get(key)
+    if entry is None:
+        out = func(*_to_meta(args), **{k: _to_meta(v) for k, v in kwargs.items()})
+        entry = _META[key] = (_describe(out), ir.intern_key(("call", key)))
+    return entry
+
+
+def _describe(out):
+    if isinstance(out, torch.Tensor):
+        return ("t", tuple(out.shape), tuple(out.stride()), out.dtype, out.storage_offset())
+    if isinstance(out, (list, tuple)):
+        return ("seq", type(out), tuple(_describe(o) for o in out))
+    return ("const", out)
+
+
+class NoMeta(Exception):
+    """PyTorch has no meta kernel for the call, or its output shape depends on data."""
+
+
+def record(func, f, args, kwargs):
+    """Records a functional op with a lowering rule: ``(spec, node)`` (``node`` None for a
+    non-tensor result). Raises ``NoMeta`` when PyTorch cannot tell the output without data."""
+    template, rec = freeze_call(f, args, kwargs)
+    key = tuple(rec.key)
+    try:
+        spec, node_key = meta(func, args, kwargs, key)
+    except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException) as e:
+        raise NoMeta(str(e)) from e
+    return spec, _node(func, f, tuple(rec.inputs), template, spec, node_key)
+
+
+def _node(func, f, inputs, template, spec, node_key):
+    if f.random:
+        inputs = inputs + (rng.next_key(),)
+        template = (template[0], template[1] + (("_key", ir.slot(len(inputs) - 1)),))
+    kind = spec[0]
+    if kind == "t":
+        return ir.Node(func, inputs, template, spec[1], spec[3], key=node_key)
+    if kind == "seq":
+        metas = tuple((o[1], o[3]) if o[0] == "t" else None for o in spec[2])
+        return ir.Node(func, inputs, template, outputs=metas, key=node_key)
+    return None
+
+
+# -- mutation ----------------------------------------------------------------------------------------
+
+
+def mutate(func, f, args, kwargs):
+    """In-place, out= and other mutating ops: the functional twin's result written into the
+    arguments it writes. Returns what the op returns, or ``NotImplemented`` when there is no
+    functional twin (the caller falls back)."""
+    functional = f.functional
+    if functional is None:
+        return NotImplemented
+    if f.inplace_twin:
+        return _inplace(func, f, functional, args, kwargs)
+    bound = _bind(func, args, kwargs)
+    # Let PyTorch's meta kernel validate the call (broadcast into self, dtype cast rules, overlap).
+    _, rec = freeze_call(f, args, kwargs, nodes=False)
+    try:
+        meta(func, args, kwargs, tuple(rec.key))
+    except NotImplementedError:
+        pass
+    if f.out_names:
+        fargs = {k: v for k, v in bound.items() if k not in f.out_names}
+        if not any(isinstance(v, torch.Tensor) for v in fargs.values()):
+            # A factory's out= form (e.g. arange into an empty device tensor): make it here.
+            first_out = bound[f.out_names[0]]
+            fargs.setdefault("dtype", first_out.dtype)
+            fargs["device"] = first_out.device
+        result = functional(**fargs)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        outs = [bound[name] for name in f.out_names]
+        for dst, src in zip(outs, results):
+            write(dst, _value_of(src))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    if f.inplace:
+        if _first_argument(functional) != "self":  # polygamma_(self, n) vs polygamma(n, self)
+            result = functional(**bound)
+        else:
+            # Defaults made explicit pick the matching overload: bernoulli_(p=0.5) -> bernoulli.p.
+            result = functional(*_with_defaults(func, args), **kwargs)
+        return _write_results(args[0], result)
+    # A functional twin returns the op's own outputs followed by the new value of each written arg.
+    result = functional(**bound)
+    n_written = len(f.written)
+    for name, new in zip(f.written, result[len(result) - n_written:]):
+        write(bound[name], _value_of(new))
+    own = result[: len(result) - n_written]
+    return own[0] if len(own) == 1 else tuple(own)
+
+
+def _inplace(func, f, functional, args, kwargs):
+    """``x.op_(...)`` as the node of ``op(x, ...)`` written into ``x``: one freezing, no tensor
+    made, the dispatcher not re-entered."""
+    ff = facts(functional)
+    template, rec = freeze_call(f, args, kwargs, code=ff.code)
+    key = tuple(rec.key)
+    entry = _META.get(key)
+    if entry is None:
+        meta(func, args, kwargs, (f.code,) + key[1:])  # validates (broadcast into self, casts)
+        entry = meta(functional, args, kwargs, key)
+    spec, node_key = entry
+    node = _node(functional, ff, tuple(rec.inputs), template, spec, node_key)
+    target = args[0]
+    if spec[0] == "seq":
+        for i, dst in enumerate(target):
+            write(dst, ir.output_node(node, i))
+        return None
+    write(target, node)
+    return target
+
+
+def _write_results(target, result):
+    if isinstance(target, (list, tuple)):
+        for dst, src in zip(target, result):
+            write(dst, _value_of(src))
+        return None
+    write(target, _value_of(result))
+    return target
+
+
+def _value_of(src) -> ir.Node:
+    if isinstance(src, LazyTensor):
+        return src._value()
+    if isinstance(src, torch.Tensor) and src.device.type == "cpu":
+        return upload_node(src)
+    raise DeviceMismatchError(f"cannot write a {type(src).__name__} into an xshard tensor")
+
+
+def write(dst, value: ir.Node) -> None:
+    """Writes ``value`` into tensor ``dst`` as an in-place op would (cast to dst's dtype)."""
+    if not isinstance(dst, LazyTensor):
+        raise DeviceMismatchError(
+            f"Cannot write an xshard result into a {dst.device} tensor in place; move it with "
+            f".to(xshard.device()) first.")
+    if tuple(value.shape) != tuple(dst.shape):
+        if tuple(dst.shape) != tuple(torch.broadcast_shapes(value.shape, dst.shape)):
+            raise RuntimeError(
+                f"xshard cannot resize an out= tensor of shape {tuple(dst.shape)} to "
+                f"{tuple(value.shape)}; pass an out tensor of the result's shape, or use the "
+                f"functional form.")
+        value = expand(value, dst.shape)
+    if value.dtype != dst.dtype:
+        value = convert(value, dst.dtype)
+    dst._assign(value)
+
+
+def _first_argument(op) -> str:
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = getattr(op, op.overloads()[0])
+    schema = op._schema
+    return schema.arguments[0].name if schema.arguments else ""
+
+
+def _with_defaults(func, args) -> tuple:
+    """``args`` followed by the schema defaults of the positional arguments it leaves out."""
+    rest = [a for a in func._schema.arguments if not a.kwarg_only][len(args):]
+    if not rest or not all(a.has_default_value() for a in rest):
+        return tuple(args)
+    return tuple(args) + tuple(a.default_value for a in rest)
+
+
+def _bind(func, args, kwargs) -> dict:
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def expand(value: ir.Node, shape) -> ir.Node:
+    shape = tuple(shape)
+    return ir.Node(aten.expand.default, (value,), ((ir.slot(0), shape), ()), shape, value.dtype)
+
+
+def convert(value: ir.Node, dtype) -> ir.Node:
+    return ir.Node(aten._to_copy.default, (value,), ((ir.slot(0),), (("dtype", dtype),)),
+                   value.shape, dtype)
+
+
+def clone(value: ir.Node) -> ir.Node:
+    return ir.Node(aten.clone.default, (value,), ((ir.slot(0),), ()), value.shape, value.dtype)
+
+
+# -- views -----------------------------------------------------------------------------------------
+
+
+def view_steps(func, f, args, kwargs):
+    """The views a view op makes of ``args[0]``: a list of ``(ViewStep, spec)`` (one per output),
+    a single one for a single output; or ``None`` when the op must be recorded as a value (a
+    tensor-valued argument, which aliasing cannot follow)."""
+    base = args[0]
+    template, rec = freeze_call(f, args, kwargs, nodes=False)
+    spec, _ = meta(func, args, kwargs, tuple(rec.key))
+    if len(rec.inputs) != 1:
+        return None
+    if spec[0] == "t":
+        return _step(base, func, template, spec), spec
+    # split / split_with_sizes / unbind: each output is a slice or select of the base.
+    dim = _bind(func, args, kwargs).get("dim", 0) % max(base.dim(), 1)
+    steps = []
+    start = 0
+    for i, o in enumerate(spec[2]):
+        if func is aten.unbind.int:
+            step_op, step_t = aten.select.int, ((ir.slot(0), dim, i), ())
+        else:
+            length = o[1][dim]
+            step_op, step_t = aten.slice.Tensor, ((ir.slot(0), dim, start, start + length, 1), ())
+            start += length
+        steps.append((_step(base, step_op, step_t, o), o))
+    return steps, spec
+
+
+def _step(base, op, template, spec) -> ViewStep:
+    return ViewStep(op, template, spec[1], spec[3], tuple(base.shape))
+
+
+# -- factories ---------------------------------------------------------------------------------------
+
+_FACTORY_META: dict = {}
+
+
+def factory(func, args, kwargs):
+    """A factory op called with ``device=xshard``: ``(node, stride)``; no data transfer."""
+    kwargs = dict(kwargs)
+    if func is aten.arange.default or func is aten.arange.start:
+        start, end = (0, args[0]) if func is aten.arange.default else args[:2]
+        func, args = aten.arange.start_step, (start, end, 1)
+    for k in ("device", "layout", "pin_memory", "memory_format"):
+        kwargs.pop(k, None)
+    if kwargs.get("dtype", 0) is None:
+        del kwargs["dtype"]
+    f = facts(func)
+    template, rec = freeze_call(f, args, kwargs)
+    key = tuple(rec.key)
+    entry = _FACTORY_META.get(key)
+    if entry is None:
+        out = func(*args, **kwargs, device="meta")
+        entry = _FACTORY_META[key] = (tuple(out.shape), tuple(out.stride()), out.dtype,
+                                      ir.intern_key(("factory", key, out.dtype)))
+    shape, stride, dtype, node_key = entry
+    if "dtype" not in kwargs:
+        # The rule needs the dtype PyTorch chose (default dtype, or inferred from the values).
+        template = (template[0], template[1] + (("dtype", dtype),))
+    inputs = tuple(rec.inputs)
+    if f.random:
+        inputs = inputs + (rng.next_key(),)
+        template = (template[0], template[1] + (("_key", ir.slot(len(inputs) - 1)),))
+    return ir.Node(func, inputs, template, shape, dtype, key=node_key), stride
