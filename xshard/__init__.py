@@ -44,6 +44,15 @@ def wait() -> None:
     _wait_all()
 
 
+def __getattr__(name: str):
+    # xshard.checkpoint imports torch.distributed.checkpoint (seconds): loaded on first use.
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module("xshard.checkpoint")
+    raise AttributeError(f"module 'xshard' has no attribute {name!r}")
+
+
 def manual_seed(seed: int) -> None:
     """Seeds the device random stream (``torch.manual_seed`` does this too)."""
     rng.manual_seed(seed)

@@ -16,6 +16,26 @@ from xshard.core import execute, rng
 DEVICE_TYPE = "xshard"
 
 
+class _Stream:
+    """The xshard device's one stream. Work on it is ordered by the lazy graph and reads wait for
+    their values, so a stream only needs to exist for PyTorch code that asks for one (e.g. the
+    overlapping loader of ``torch.distributed.checkpoint.FileSystemWriter``)."""
+
+    device_type = DEVICE_TYPE
+
+    def synchronize(self) -> None:
+        execute.wait_all()
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = _Stream()
+
+
 class _DeviceModule:
     """What ``torch.xshard`` answers (PyTorch asks it about seeds, availability and counts).
 
@@ -73,6 +93,14 @@ class _DeviceModule:
     @staticmethod
     def synchronize(device=None) -> None:
         execute.sync(wait=True)
+
+    @staticmethod
+    def current_stream(device=None) -> _Stream:
+        return _STREAM
+
+    @staticmethod
+    def stream(stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(stream)
 
     @staticmethod
     def get_amp_supported_dtype():

@@ -1,0 +1,141 @@
+"""Model and optimizer checkpoints: FSDP under either wrap policy and a 2-D (data, model) sharded GPT,
+with AdamW state; resumed training equals the uninterrupted run; the consolidated torch.save file is
+the full state dict and loads into the plain CPU model."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import xshard
+import xshard.checkpoint as xcp
+
+from tests.checkpoint.checkpoint_testing import (SMALL, adamw, assert_same, batches, fsdp_gpt, gpt,
+                                                 mesh, model_state, shard_2d, snapshot, spec_of,
+                                                 train)
+
+
+def specs(model: nn.Module, opt) -> dict:
+    """Sharding of every parameter and optimizer state tensor."""
+    out = {k: spec_of(v) for k, v in nn.Module.state_dict(model).items()}
+    for i, entry in opt.state_dict()["state"].items():
+        out.update({f"optim.{i}.{k}": spec_of(v) for k, v in entry.items()
+                    if isinstance(v, torch.Tensor) and v.device.type == "xshard"})
+    return out
+
+
+@pytest.fixture(scope="module", params=["transformer", "size"])
+def fsdp_run(request, tmp_path_factory):
+    """An FSDP GPT after 2 AdamW steps, saved, then trained 2 more steps (the uninterrupted run)."""
+    policy = request.param
+    data = batches(4)
+    model = fsdp_gpt(seed=3, policy=policy)
+    opt = adamw(model)
+    train(model, opt, data[:2])
+    path = tmp_path_factory.mktemp(policy) / "step_2"
+    xcp.save({"model": model, "optim": opt, "step": 2}, path)
+    run = dict(policy=policy, data=data, path=path, model=model_state(model),
+               optim=snapshot(opt.state_dict()), full=model.state_dict(),
+               specs=specs(model, opt))
+    run["continued"] = train(model, opt, data[2:])
+    return run
+
+
+def test_fsdp_resume_equals_uninterrupted_run(fsdp_run):
+    model = fsdp_gpt(seed=9, policy=fsdp_run["policy"])
+    opt = adamw(model)
+    state = {"model": model, "optim": opt, "step": 0}
+    xcp.load(state, fsdp_run["path"])
+    assert state["step"] == 2
+    assert_same(model_state(model), fsdp_run["model"])
+    assert_same(snapshot(opt.state_dict()), fsdp_run["optim"])
+    assert specs(model, opt) == fsdp_run["specs"]  # sharded as before, moments included
+    assert train(model, opt, fsdp_run["data"][2:]) == fsdp_run["continued"]
+
+
+def test_fsdp_checkpoint_loads_under_the_other_policy_on_4_devices(fsdp_run):
+    other = {"transformer": "size", "size": "transformer"}[fsdp_run["policy"]]
+    model = fsdp_gpt(seed=9, policy=other, m=mesh((4,), ("fsdp",)))
+    opt = adamw(model)
+    xcp.load({"model": model, "optim": opt}, fsdp_run["path"])
+    assert_same(model_state(model), fsdp_run["model"])
+    assert_same(snapshot(opt.state_dict()), fsdp_run["optim"])
+    assert spec_of(model.blocks[0].mlp.fc.weight) == "{devices=[4,1]0,1,2,3}"
+
+
+def test_fsdp_checkpoint_loads_into_a_2d_sharded_model(fsdp_run):
+    grid = mesh((4, 2), ("data", "model"))
+    model = shard_2d(gpt(seed=9, cfg=SMALL), grid)
+    xcp.load({"model": model}, fsdp_run["path"])
+    assert_same(model_state(model), fsdp_run["model"])
+    assert spec_of(model.blocks[0].mlp.fc.weight) == \
+        "{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}"
+
+
+def test_consolidated_file_is_the_full_state_dict(fsdp_run, tmp_path):
+    dcp_to_torch_save(fsdp_run["path"], tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    assert sorted(full) == ["model", "optim", "step"] and full["step"] == 2
+    # FSDP's own full state dict, under the plain model's keys.
+    assert_same(full["model"], fsdp_run["full"])
+    # DCP writes every dict key as a string: the optimizer's parameter ids come back as '0', '1'...
+    optim = full["optim"]
+    assert sorted(optim["state"]) == sorted(str(k) for k in fsdp_run["optim"]["state"])
+    optim["state"] = {int(k): v for k, v in optim["state"].items()}
+    assert_same(optim, fsdp_run["optim"])
+    plain = gpt(seed=5, cfg=SMALL)
+    plain.load_state_dict(full["model"])  # strict: same keys as the unwrapped model
+    assert_same(dict(plain.state_dict()), fsdp_run["full"])
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt.load_state_dict(optim)
+    assert torch.equal(opt.state[plain.wte.weight]["exp_avg"],
+                       fsdp_run["optim"]["state"][0]["exp_avg"])
+
+
+def test_2d_sharded_model_resumes_exactly_and_loads_into_fsdp(tmp_path):
+    grid = mesh((4, 2), ("data", "model"))
+    data = batches(4)
+    model = shard_2d(gpt(seed=3, cfg=SMALL), grid)
+    opt = adamw(model)
+    train(model, opt, data[:2], grid)
+    xcp.save({"model": model, "optim": opt}, tmp_path / "ckpt")
+    saved, saved_optim, saved_specs = model_state(model), snapshot(opt.state_dict()), \
+        specs(model, opt)
+    continued = train(model, opt, data[2:], grid)
+
+    resumed = shard_2d(gpt(seed=9, cfg=SMALL), grid)
+    resumed_opt = adamw(resumed)
+    compiles = xshard.metrics.snapshot()["compiles"]
+    xcp.load({"model": resumed, "optim": resumed_opt}, tmp_path / "ckpt")
+    assert_same(model_state(resumed), saved)
+    assert_same(snapshot(resumed_opt.state_dict()), saved_optim)
+    assert specs(resumed, resumed_opt) == saved_specs
+    assert train(resumed, resumed_opt, data[2:], grid) == continued
+    # Loading compiles nothing of its own beyond priming the optimizer; the resumed steps reuse
+    # the uninterrupted run's executables.
+    assert xshard.metrics.snapshot()["compiles"] - compiles <= 1
+
+    fsdp = fsdp_gpt(seed=11)
+    fsdp_opt = adamw(fsdp)
+    xcp.load({"model": fsdp, "optim": fsdp_opt}, tmp_path / "ckpt")
+    assert_same(model_state(fsdp), saved)
+    assert_same(snapshot(fsdp_opt.state_dict()), saved_optim)
+
+
+def test_state_dicts_work_as_well_as_objects(tmp_path):
+    """model.state_dict() / opt.state_dict() in the state, as PyTorch users write it."""
+    grid = mesh((4, 2), ("data", "model"))
+    model = shard_2d(gpt(seed=3, cfg=SMALL), grid)
+    opt = adamw(model)
+    train(model, opt, batches(1), grid)
+    xcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1},
+             tmp_path / "ckpt")
+    other = shard_2d(gpt(seed=9, cfg=SMALL), grid)
+    other_opt = xcp.prime_optimizer(adamw(other))
+    state = {"model": other.state_dict(), "optim": other_opt.state_dict(), "step": 0}
+    xcp.load(state, tmp_path / "ckpt")
+    other.load_state_dict(state["model"])
+    other_opt.load_state_dict(state["optim"])
+    assert state["step"] == 1
+    assert_same(model_state(other), model_state(model))
+    assert_same(snapshot(other_opt.state_dict()), snapshot(opt.state_dict()))
