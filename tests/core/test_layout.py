@@ -18,7 +18,7 @@ CORE_ORDER = ["runtime", "dtypes", "metrics", "ir", "cells", "lowering", "graph"
               "execute", "rng", "backend", "ops", "record", "transfer", "fallback", "tensor",
               "device", "barrier", "attention", "debug", "api"]
 # Packages from the bottom up: each imports only packages before it.
-PACKAGE_ORDER = ["core", "mesh", "spmd", "fsdp"]
+PACKAGE_ORDER = ["core", "mesh", "spmd", "fsdp", "checkpoint"]
 
 
 def _module_name(path: pathlib.Path) -> str:
