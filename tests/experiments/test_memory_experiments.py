@@ -14,6 +14,7 @@ import xshard
 import xshard.spmd as xs
 from xshard import memory
 from xshard.experiments import memory as cmd
+from xshard.experiments.memory import config, search
 from xshard.fsdp import FSDP
 from xshard.mesh import Mesh
 
@@ -134,7 +135,7 @@ def test_largest_fitting_returns_the_boundary(boundary):
         return 1000 + 100 * k + (k * k) // 3  # grows, slightly faster than linearly
 
     budget = peak_of(boundary)
-    k, probes = cmd.largest_fitting(peak_of, 100, budget)
+    k, probes = search.largest_fitting(peak_of, 100, budget)
     assert k == boundary
     assert probes[k] <= budget
     assert k == 100 or probes[k + 1] > budget
@@ -142,7 +143,7 @@ def test_largest_fitting_returns_the_boundary(boundary):
 
 
 def test_largest_fitting_nothing_fits():
-    k, probes = cmd.largest_fitting(lambda k: 10 * k, 50, 5)
+    k, probes = search.largest_fitting(lambda k: 10 * k, 50, 5)
     assert k is None and probes == {1: 10}
 
 
@@ -162,8 +163,8 @@ def _args(workdir, *extra):
 def test_batch_search_fits_at_b_and_not_at_b_plus_step(workdir, capsys):
     parsed = cmd.parser().parse_args(_args(workdir))
     parsed.min_params = int(parsed.min_params)
-    base = cmd.make_config(parsed, "gpt-tiny", "fsdp-transformer", 2, 6)
-    runner = cmd.Runner(workdir / "cache" / "memory-results.json", extrapolate=False,
+    base = config.make_config(parsed, "gpt-tiny", "fsdp-transformer", 2, 6)
+    runner = search.Runner(workdir / "cache" / "memory-results.json", extrapolate=False,
                         log=lambda s: None)
     budget = runner.evaluate(base)["peak_bytes"]      # exactly the peak at B=6 (step 2)
     assert cmd.main(_args(workdir, "--budget", str(budget), "--name", "batch")) == 0
