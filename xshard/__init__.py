@@ -14,6 +14,8 @@ from xshard.core.runtime import (device_count, devices, initialize, process_coun
                                  process_index)
 from xshard.core import device as _device
 from xshard.core import attention as _attention  # noqa: F401  (fused SDPA for the device)
+from xshard.core import rnn as _rnn  # noqa: F401  (nn.LSTM/GRU/RNN as one scan per layer)
+from xshard.core import autocast as _autocast  # noqa: F401  (torch.autocast on the device)
 from xshard.core import debug, metrics, rng  # noqa: F401
 from xshard.core.barrier import optimization_barrier, optimization_barrier_  # noqa: F401
 from xshard.core.execute import compile_only  # noqa: F401

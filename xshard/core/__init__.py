@@ -21,13 +21,14 @@ compilation         ``compiler`` (the interpreter, ``jax.jit``, compiler options
 execution           ``execute`` (sync, evaluate, wait, reads, placement, compile-only)
 ==================  =================================================================================
 
-Around them: ``barrier`` and ``attention`` (device ops built from the above), ``metrics``,
-``debug`` (HLO of pending work), and ``api`` (what the layers above core use).
+Around them: ``barrier``, ``attention`` and ``rnn`` (device ops built from the above), ``autocast``
+(``torch.autocast`` for the device), ``metrics``, ``debug`` (HLO of pending work), and ``api`` (what
+the layers above core use).
 
 Imports point one way: a module imports only modules of a lower rank in this order (checked by
 tests/core/test_layout.py), so a module can be read knowing only those below it:
 runtime, dtypes, metrics, ir, cells, lowering, graph, compiler, execute, rng, backend, ops, record,
-transfer, fallback, tensor, device, barrier, attention, debug, api. Recording comes after execution
+transfer, fallback, tensor, device, barrier, attention, rnn, autocast, debug, api. Recording comes after execution
 in this order because reading a value (``t.item()``) runs pending work.
 """
 

@@ -62,6 +62,11 @@ _CPU_INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_i
 
 NO_DEFAULT = object()
 
+# Composite ops xshard defines itself (at its autograd key, e.g. the recurrent layers in
+# xshard.core.rnn), by id(op): run in place of PyTorch's definition when one reaches the
+# dispatcher (under torch.inference_mode, or from inside another composite).
+COMPOSITES: dict = {}
+
 
 class OpFacts:
     """What the recorder needs to know about one aten overload."""

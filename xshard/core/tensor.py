@@ -146,7 +146,11 @@ def dispatch(func, args, kwargs):
     if route is ops.SPECIAL:
         return _SPECIAL[id(func)](func, args, kwargs)
     if route is ops.COMPOSITE:
-        # Composite ops reach us when called from inside a decomposition; run their definition.
+        # Composite ops reach us when called from inside a decomposition or under
+        # torch.inference_mode; run xshard's definition if it has one, else PyTorch's.
+        own = ops.COMPOSITES.get(id(func))
+        if own is not None:
+            return own(*args, **kwargs)
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out

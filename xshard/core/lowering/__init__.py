@@ -25,6 +25,7 @@ module             ops
 ``linalg``         matmuls and decompositions
 ``nn``             convolution, pooling, normalisation, losses, embedding, interpolation
 ``attention``      fused scaled-dot-product attention and its backward
+``rnn``            recurrent layers (``xshard::rnn_layer``: a scan per layer) and fused RNN cells
 ``foreach``        ``_foreach_*`` lists of tensors (torch.optim)
 ``xshard_ops``     xshard's own ops (shardings, barriers, partial sums, manual regions, RNG keys)
 =================  ==============================================================================
@@ -33,4 +34,5 @@ module             ops
 from xshard.core.lowering.table import (RULES, LoweringError, apply_rule, conform,  # noqa: F401
                                         has_rule, rule, thaw)
 from xshard.core.lowering import (promotion, elementwise, factories, random, views,  # noqa: F401,E402
-                                  shape, reductions, linalg, nn, attention, foreach, xshard_ops)
+                                  shape, reductions, linalg, nn, attention, rnn, foreach,
+                                  xshard_ops)
