@@ -38,7 +38,7 @@ def test_basics_positions_uploads_reads_shards_collectives():
         assert r["replicated_sum"] == 992.0
         assert r["read_ok"] and r["gram_ok"] and r["print"].startswith("tensor([[ 1.,  4.,")
         assert r["shards"] == [[f"CPU:{p}", p, p + 1] for p in positions]
-        assert r["load_local_ok"] and r["manual_ok"] and r["rng_agree"]
+        assert r["load_local_ok"] and r["manual_ok"] and r["rng_agree"] and r["submesh_ok"]
         assert r["memory_keys"] == positions
 
 
