@@ -88,9 +88,9 @@ def run_command(argv: list[str], *, env: dict, timeout: float, cwd=SCRIPTS) -> R
 
 
 def launch(script: str, *args: str, nproc: int = 2, cpu_devices: int = 4, timeout: float = 120,
-           env: dict | None = None) -> Run:
-    """``python -m xshard.launch --nproc N --cpu-devices K --timeout T script args``."""
+           env: dict | None = None, options: tuple = ()) -> Run:
+    """``python -m xshard.launch --nproc N --cpu-devices K --timeout T [options] script args``."""
     argv = [sys.executable, str(LAUNCHER), "--nproc", str(nproc), "--cpu-devices",
-            str(cpu_devices), "--timeout", str(timeout), script, *args]
+            str(cpu_devices), "--timeout", str(timeout), *options, script, *args]
     return run_command(argv, env=clean_env(env), timeout=timeout + 15)
 

@@ -136,7 +136,8 @@ def test_divergence_is_an_error_on_every_process():
 
 @pytest.mark.parametrize("mode, code", [("raise", 1), ("exit", 3)])
 def test_fail_fast(mode, code):
-    run = launch("failfast.py", mode)
+    # 'exit' publishes nothing: process 0 waits at its sync until the launcher ends it (--grace).
+    run = launch("failfast.py", mode, options=("--grace", "2"))
     assert run.returncode == code, run.explain()
     assert f"xshard.launch: rank 1 failed first, with exit code {code}" in run.stderr
     if mode == "raise":
