@@ -231,3 +231,11 @@ def test_single_process_helpers():
     assert distributed.is_library_file(xshard.__file__)
     assert not distributed.is_library_file(__file__)
     assert "test_units.py:" in divergence.site()
+
+
+def test_minibatch_refuses_a_mesh_without_local_devices(two_process_ids):
+    mesh = xs.Mesh(np.arange(4), (4,), ("data",))  # process 0's devices only
+    spec = xs.ShardingSpec(mesh, ("data", None), minibatch=True)
+    with pytest.raises(RuntimeError, match=r"has none of this process's devices \(positions "
+                                           r"\[4, 5, 6, 7\]\)"):
+        loader._upload_minibatch(torch.zeros(4, 2), spec, spec.annotation(2))

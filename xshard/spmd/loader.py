@@ -135,6 +135,12 @@ def _upload_minibatch(t: torch.Tensor, spec: ShardingSpec, annotation: sh.Annota
         raise ValueError("A minibatch ShardingSpec needs tensors with a batch dimension (dim 0).")
     local_tiles = _local_tiles_dim0(annotation)
     per_host = t.shape[0]
+    if local_tiles == 0:
+        raise RuntimeError(
+            f"A minibatch ShardingSpec loads each process's part of the batch onto its own devices, "
+            f"but the mesh {spec.mesh.device_ids.tolist()} has none of this process's devices "
+            f"(positions {[runtime.position(d) for d in runtime.local_devices()]}). Use a mesh "
+            f"that spans every process, or minibatch=False.")
     if per_host % local_tiles:
         raise RuntimeError(
             f"When minibatch is configured, the per-host batch size must be divisible by the local "
