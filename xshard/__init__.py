@@ -10,8 +10,11 @@ Quick start:
 """
 
 from xshard.core import runtime
-from xshard.core.runtime import (device_count, devices, initialize, process_count,  # noqa: F401
-                                 process_index)
+from xshard.core.runtime import device_count, devices, process_count, process_index  # noqa: F401
+from xshard.core.distributed import (InitializationError, initialize,  # noqa: F401
+                                     is_main_process, local_device_count)
+from xshard.core.divergence import (MultiProcessDivergenceError,  # noqa: F401
+                                    MultiProcessTimeoutError)
 from xshard.core import device as _device
 from xshard.core import attention as _attention  # noqa: F401  (fused SDPA for the device)
 from xshard.core import rnn as _rnn  # noqa: F401  (nn.LSTM/GRU/RNN as one scan per layer)
@@ -63,5 +66,7 @@ def manual_seed(seed: int) -> None:
 from xshard import memory  # noqa: E402  (per-device memory and FLOPs of a step)
 
 __all__ = ["device", "devices", "device_count", "process_index", "process_count", "initialize",
+           "local_device_count", "is_main_process", "InitializationError",
+           "MultiProcessDivergenceError", "MultiProcessTimeoutError",
            "sync", "mark_step", "wait", "manual_seed", "metrics", "debug", "runtime",
            "optimization_barrier", "optimization_barrier_", "compile_only", "memory"]

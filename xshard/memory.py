@@ -264,7 +264,10 @@ def abstract_sync() -> int:
 
 
 def live_bytes_per_device() -> dict[int, int]:
-    """Bytes of device buffers held by live xshard tensors, by device id (measured, not estimated).
+    """Bytes of device buffers held by live xshard tensors, by device (measured, not estimated).
+
+    Keyed by mesh device id (the device's position in ``xshard.devices()``). In a multi-process
+    run only this process's devices are listed: another process's buffers are not visible here.
 
     Each buffer counts once, however many tensors share it; buffers still being computed count as
     soon as they are dispatched. Data-free tensors of ``compile_only()`` hold nothing.
@@ -274,7 +277,7 @@ def live_bytes_per_device() -> dict[int, int]:
         >>> max(xshard.memory.live_bytes_per_device().values())   # doctest: +SKIP
     """
     jax = runtime.jax_module()
-    totals: dict[int, int] = {d.id: 0 for d in runtime.devices()}
+    totals: dict[int, int] = {runtime.position(d): 0 for d in runtime.local_devices()}
     seen = set()
     for cell in live_cells():
         node = cell.value
@@ -286,8 +289,8 @@ def live_bytes_per_device() -> dict[int, int]:
         seen.add(id(array))
         itemsize = np.dtype(array.dtype).itemsize
         for shard in array.addressable_shards:
-            totals[shard.device.id] = totals.get(shard.device.id, 0) + \
-                math.prod(shard.data.shape) * itemsize
+            position = runtime.position(shard.device)
+            totals[position] = totals.get(position, 0) + math.prod(shard.data.shape) * itemsize
     return totals
 
 

@@ -5,8 +5,10 @@ The modules, in the order data flows through them:
 ==================  =================================================================================
 stage               modules
 ==================  =================================================================================
-device              ``runtime`` (platform, devices, the environment, read once), ``backend`` (the
-                    ``xshard`` PyTorch device type), ``device`` (its factory kernels)
+device              ``runtime`` (platform, devices, the environment, read once), ``distributed``
+                    (joining a multi-process run, the coordinator's key-value store, fail-fast),
+                    ``backend`` (the ``xshard`` PyTorch device type), ``device`` (its factory
+                    kernels)
 dtypes              ``dtypes`` (PyTorch <-> numpy/JAX, host conversion without loss)
 the IR              ``ir`` (the node type, and every op a node can hold)
 tensors             ``tensor`` (``XTensor`` and the dispatcher), ``cells`` (storage, views, pending)
@@ -17,6 +19,9 @@ transfers           ``transfer`` (host <-> device copies, reads)
 CPU fallback        ``fallback`` (ops xshard cannot record, run eagerly on CPU)
 lowering            ``lowering/`` (the table: one rule per op, a module per op family)
 linearisation       ``graph`` (pending nodes in post-order, and the graph's key)
+multi-process       ``divergence`` (every process checks the others run the same program on equal
+                    data before it runs), ``arrays`` (global arrays from and to the host without
+                    hidden collectives)
 compilation         ``compiler`` (the interpreter, ``jax.jit``, compiler options, the cache)
 execution           ``execute`` (sync, evaluate, wait, reads, placement, compile-only)
 ==================  =================================================================================
@@ -27,8 +32,9 @@ the layers above core use).
 
 Imports point one way: a module imports only modules of a lower rank in this order (checked by
 tests/core/test_layout.py), so a module can be read knowing only those below it:
-runtime, dtypes, metrics, ir, cells, lowering, graph, compiler, execute, rng, backend, ops, record,
-transfer, fallback, tensor, device, barrier, attention, rnn, autocast, debug, api. Recording comes after execution
+runtime, distributed, dtypes, metrics, ir, cells, lowering, graph, divergence, arrays, compiler,
+execute, rng, backend, ops, record, transfer, fallback, tensor, device, barrier, attention, rnn,
+autocast, debug, api. Recording comes after execution
 in this order because reading a value (``t.item()``) runs pending work.
 """
 

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from xshard.core import ir, metrics, runtime
+from xshard.core import arrays, divergence, ir, metrics, runtime
 from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.graph import Graph
 from xshard.core.lowering import RULES, LoweringError, apply_rule
@@ -108,7 +108,7 @@ def _colocate(values):
         if isinstance(v, jax.ShapeDtypeStruct):
             values[i] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target)
         else:
-            values[i] = jax.device_put(v, target)
+            values[i] = arrays.replicated_on(v, target)
     return values
 
 
@@ -197,12 +197,13 @@ def compile_graph(graph: Graph, lowered=None, donate=()):
 class Executable:
     """A compiled graph, the inputs it donates, and what a recompile log compares."""
 
-    __slots__ = ("compiled", "donate", "describe")
+    __slots__ = ("compiled", "donate", "describe", "digest")
 
-    def __init__(self, compiled, donate: tuple, describe):
+    def __init__(self, compiled, donate: tuple, describe, digest=None):
         self.compiled = compiled
         self.donate = donate
         self.describe = describe
+        self.digest = digest  # of the lowered program, compared across processes (divergence.py)
 
 
 _CACHE: dict = {}
@@ -217,9 +218,11 @@ def executable(graph: Graph, donate: tuple = ()) -> Executable:
         return exe
     _log_recompile(graph)
     start = time.perf_counter()
-    compiled = compile_graph(graph, lower(graph, donate=donate))
+    lowered = lower(graph, donate=donate)
+    compiled = compile_graph(graph, lowered)
     metrics.METRICS.record_compile(time.perf_counter() - start)
-    exe = _CACHE[graph.key] = Executable(compiled, tuple(donate), graph.describe())
+    exe = _CACHE[graph.key] = Executable(compiled, tuple(donate), graph.describe(),
+                                         divergence.lowered_digest(lowered))
     return exe
 
 

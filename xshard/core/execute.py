@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xshard.core import compiler, ir, metrics, runtime
+from xshard.core import arrays, compiler, divergence, ir, metrics, runtime
 from xshard.core.cells import live_cells, pending_cells, settled, stored
 from xshard.core.compiler import input_values
 from xshard.core.dtypes import numpy_to_torch, to_numpy_dtype, torch_to_numpy
@@ -53,7 +53,7 @@ def upload_node(t: torch.Tensor, sharding=None) -> ir.Node:
         return ir.data_node(aval, tuple(t.shape), t.dtype, sharding)
     # A private copy: JAX reads (CPU: may even keep) the host buffer after device_put returns, so
     # a later in-place write to the CPU tensor would otherwise change the device value.
-    array = jax.device_put(np.array(torch_to_numpy(t), copy=True), sharding)
+    array = arrays.put(np.array(torch_to_numpy(t), copy=True), sharding)  # no hidden collective
     return ir.data_node(array, tuple(t.shape), t.dtype, array.sharding)
 
 
@@ -65,7 +65,7 @@ def _placed(array):
     another executable than the steady state's.
     """
     if isinstance(array.sharding, jax.sharding.SingleDeviceSharding) and runtime.device_count() > 1:
-        return jax.device_put(array, default_sharding())
+        return arrays.replicated_from_local(array, default_sharding())
     return array
 
 
@@ -190,6 +190,7 @@ def pending_step() -> PendingStep:
 # -- running ---------------------------------------------------------------------------------------
 
 
+@divergence.retry_after_gc
 def sync(wait: bool = False, abstract: bool = False) -> int:
     """Compiles (or reuses) and dispatches one graph computing every pending live tensor; returns
     how many storages it computed.
@@ -200,6 +201,7 @@ def sync(wait: bool = False, abstract: bool = False) -> int:
     """
     step = PendingStep()
     if not step.cells:
+        divergence.nothing_to_run()
         if wait:
             wait_all()
         return 0
@@ -213,6 +215,7 @@ def sync(wait: bool = False, abstract: bool = False) -> int:
         except Exception as error:
             _quarantine(step.cells, error)
             raise
+        divergence.before_run(exe, graph)  # multi-process: every process runs this same program
         results = _run(exe, graph, step.donate)
     nodes = {}
     for c, pos in zip(step.cells, step.owners):
@@ -286,7 +289,9 @@ def evaluate(nodes) -> list:
     """Computes ``nodes`` without binding the results to any tensor (no donation)."""
     graph = Graph(list(nodes))
     _check_runnable(graph)
-    return list(_run(compiler.executable(graph), graph, ()))
+    exe = compiler.executable(graph)
+    divergence.before_run(exe, graph, "evaluate")
+    return list(_run(exe, graph, ()))
 
 
 def wait_all() -> None:
@@ -312,7 +317,7 @@ def to_cpu(t) -> torch.Tensor:
             "This tensor holds per-device shards inside a manual sharding region; close the region "
             "with xshard.spmd.disable_manual_sharding(t, spec, full_shape) to read its value.")
     array = node.payload if node.op is ir.DATA else evaluate([node])[0]
-    out = numpy_to_torch(np.asarray(array))
+    out = numpy_to_torch(arrays.to_host(array))  # collective if no process holds all of it
     if tuple(out.shape) != tuple(node.shape):  # padded for an uneven sharding
         out = out[tuple(slice(0, n) for n in node.shape)].clone()
     return out

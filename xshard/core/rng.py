@@ -22,7 +22,7 @@ import struct
 
 import torch
 
-from xshard.core import ir
+from xshard.core import distributed, ir
 
 _KEY_SHAPE = (2,)
 _STATE = {"seed": None, "counter": 0}
@@ -31,7 +31,8 @@ _MASK = (1 << 64) - 1
 
 def _ensure_seeded() -> None:
     if _STATE["seed"] is None:
-        _STATE["seed"] = torch.initial_seed() & _MASK
+        agreed = distributed.agreed_seed()  # multi-process: process 0's, the same everywhere
+        _STATE["seed"] = (torch.initial_seed() if agreed is None else agreed) & _MASK
         _STATE["counter"] = 0
 
 

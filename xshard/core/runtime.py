@@ -6,6 +6,15 @@ initialises its backends:
 - ``PJRT_DEVICE``: ``CPU``, ``CUDA`` (alias ``GPU``) or ``TPU``. Unset: the best platform JAX finds.
 - ``XSHARD_CPU_DEVICES``: how many virtual CPU devices the CPU platform exposes (default 1). The tests
   use 8, which gives real sharding, partitioning and collectives on one host.
+- Multi-process runs (read by ``distributed_settings()``, used by ``xshard.initialize()``):
+  ``XSHARD_COORDINATOR_ADDRESS``, ``XSHARD_NUM_PROCESSES``, ``XSHARD_PROCESS_ID`` (set by
+  ``python -m xshard.launch``); torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``;
+  ``XSHARD_INIT_TIMEOUT`` (s, default 300), ``XSHARD_HEARTBEAT_TIMEOUT`` (s, default 60),
+  ``XSHARD_SHUTDOWN_TIMEOUT`` (s, default 60), ``XSHARD_SYNC_TIMEOUT`` (s a process waits for the
+  others at a sync before it raises, default 600), ``XSHARD_CHECK`` (``always``: compare every
+  program across processes before it runs, the default; ``off``); and whether a SLURM, Open MPI or
+  Cloud TPU environment is present (for JAX's cluster detection).
 
 JAX is configured with 64-bit types enabled, because PyTorch programs use int64 and float64 and their
 values must survive (int64 indices beyond 2**31, float64 accumulators). Every lowering rule states its
@@ -14,6 +23,7 @@ dtypes explicitly, so this does not widen any float32 computation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -49,6 +59,99 @@ def _settings() -> tuple[str | None, int]:
     return platform, cpu_devices
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """The multi-process configuration found in the environment (see the module docstring)."""
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    agent_store: bool = False
+    init_timeout: float = 300.0
+    heartbeat_timeout: float = 60.0
+    shutdown_timeout: float = 60.0
+    sync_timeout: float = 600.0
+    check: str = "always"
+    cluster: str | None = None
+
+
+_CHECK_MODES = ("always", "off")
+
+
+def _env_int(name: str, minimum: int) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise RuntimeConfigError(f"{name}={raw!r} must be an integer >= {minimum}.")
+    return value
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise RuntimeConfigError(f"{name}={raw!r} must be a positive number of seconds, e.g. 30.")
+    return value
+
+
+def _cluster() -> str | None:
+    """Which cluster environment JAX's detection would find, judged from the environment only."""
+    env = os.environ
+    if all(v in env for v in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")) and \
+            env.get("SLURM_NTASKS", "1").strip() not in ("", "0", "1"):
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env or "OMPI_COMM_WORLD_SIZE" in env:
+        return "ompi"
+    if "TPU_WORKER_HOSTNAMES" in env or "TPU_PROCESS_ADDRESSES" in env or \
+            "MEGASCALE_COORDINATOR_ADDRESS" in env or "CLOUD_TPU_TASK_ID" in env:
+        return "tpu"
+    return None
+
+
+@functools.cache
+def distributed_settings() -> DistributedSettings:
+    """Reads and validates the multi-process variables once (see the module docstring)."""
+    env = os.environ
+    check = env.get("XSHARD_CHECK", "always").strip().lower() or "always"
+    if check not in _CHECK_MODES:
+        raise RuntimeConfigError(f"XSHARD_CHECK={env.get('XSHARD_CHECK')!r} is not a mode xshard "
+                                 f"knows; valid values: {list(_CHECK_MODES)}.")
+    return DistributedSettings(
+        coordinator_address=env.get("XSHARD_COORDINATOR_ADDRESS", "").strip() or None,
+        num_processes=_env_int("XSHARD_NUM_PROCESSES", 1),
+        process_id=_env_int("XSHARD_PROCESS_ID", 0),
+        rank=_env_int("RANK", 0),
+        world_size=_env_int("WORLD_SIZE", 1),
+        local_rank=_env_int("LOCAL_RANK", 0),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        master_addr=env.get("MASTER_ADDR", "").strip() or None,
+        master_port=_env_int("MASTER_PORT", 1),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true",
+        init_timeout=_env_seconds("XSHARD_INIT_TIMEOUT", 300.0),
+        heartbeat_timeout=_env_seconds("XSHARD_HEARTBEAT_TIMEOUT", 60.0),
+        shutdown_timeout=_env_seconds("XSHARD_SHUTDOWN_TIMEOUT", 60.0),
+        sync_timeout=_env_seconds("XSHARD_SYNC_TIMEOUT", 600.0),
+        check=check,
+        cluster=_cluster(),
+    )
+
+
 @functools.cache
 def _jax():
     """Imports and configures JAX exactly once, before any backend initialises."""
@@ -78,6 +181,19 @@ def devices() -> tuple:
     return tuple(sorted(jax.devices(), key=lambda d: d.id))
 
 
+@functools.cache
+def _positions() -> dict:
+    return {d.id: i for i, d in enumerate(devices())}
+
+
+def position(device) -> int:
+    """The position of ``device`` in ``devices()``: the device id meshes, sharding strings and
+    shard names use. In a multi-process run JAX's own ids are not positions (the devices of process
+    1 have ids 2048, 2049, ... on CPU); everything users see is numbered by position.
+    """
+    return _positions()[device.id]
+
+
 def device_count() -> int:
     """The global number of devices (all processes)."""
     return len(devices())
@@ -101,21 +217,3 @@ def process_count() -> int:
 def platform() -> str:
     """The platform name of the devices in use: ``'cpu'``, ``'gpu'`` or ``'tpu'``."""
     return devices()[0].platform
-
-
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, **kwargs) -> None:
-    """Joins a multi-process run through ``jax.distributed.initialize``.
-
-    Call it before any other xshard call that touches devices. On TPU pods and SLURM clusters the
-    arguments are discovered automatically and may be omitted.
-
-    Example:
-        >>> xshard.initialize("10.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
-    """
-    if devices.cache_info().currsize:
-        raise RuntimeError(
-            "xshard.initialize() must run before the devices are first used; call it at the top of "
-            "the program."
-        )
-    _jax().distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)

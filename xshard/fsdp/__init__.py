@@ -9,9 +9,10 @@ Example:
 Module order: wrap (policies) <- mixed_precision <- fully_shard (FSDP, units) <- state_dict <- utils.
 """
 
-from xshard.fsdp.fully_shard import FSDP, FSDP_AXIS, TrainingState, param_annotation
+from xshard.fsdp.fully_shard import (FSDP, FSDP_AXIS, ParametersDifferError, TrainingState,
+                                     param_annotation)
 from xshard.fsdp.mixed_precision import MixedPrecision
-from xshard.fsdp.state_dict import ShardedEntry
+from xshard.fsdp.state_dict import IncompleteShardsError, ShardedEntry, to_full
 from xshard.fsdp.utils import checkpoint_module
 from xshard.fsdp.wrap import (always_wrap_policy, lambda_auto_wrap_policy, select_units,
                               size_based_auto_wrap_policy, transformer_auto_wrap_policy)
@@ -20,6 +21,7 @@ FullyShardedDataParallel = FSDP
 SpmdFullyShardedDataParallel = FSDP
 
 __all__ = ["FSDP", "FullyShardedDataParallel", "SpmdFullyShardedDataParallel", "FSDP_AXIS",
-           "MixedPrecision", "TrainingState", "ShardedEntry", "checkpoint_module",
+           "MixedPrecision", "TrainingState", "ShardedEntry", "IncompleteShardsError", "to_full",
+           "ParametersDifferError", "checkpoint_module",
            "always_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
            "transformer_auto_wrap_policy", "select_units", "param_annotation"]

@@ -25,13 +25,15 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import itertools
+import json
 import warnings
 
 import torch
 import torch.nn as nn
 
 from xshard.core import api as core
-from xshard.core import ir, runtime
+from xshard.core import distributed, divergence, ir, runtime
 from xshard.core.backend import DEVICE
 from xshard.core.barrier import optimization_barrier, ordered_after
 from xshard.core.record import convert
@@ -82,6 +84,9 @@ class FSDP:
         extra_data_axis: a mesh axis over which the model is replicated and the batch split.
         shard_param_on_dim_0: shard every parameter on dimension 0 instead of its largest one.
         shard_input: shard the root's tensor inputs' batch dimension over the data axes.
+        sync_module_states: in a multi-process run, start every process from process 0's
+            parameters and buffers (one broadcast). Without it, the processes' initial values
+            are compared, and differing ones raise ``ParametersDifferError``.
 
     Example:
         >>> model = FSDP(GPT(cfg), auto_wrap_policy=partial(transformer_auto_wrap_policy,
@@ -99,12 +104,14 @@ class FSDP:
     def __init__(self, module: nn.Module, *, mesh: Mesh | None = None, auto_wrap_policy=None,
                  reshard_after_forward: bool = True, mixed_precision: MixedPrecision | None = None,
                  shard_output=None, extra_data_axis: str | None = None,
-                 shard_param_on_dim_0: bool = False, shard_input: bool = True):
+                 shard_param_on_dim_0: bool = False, shard_input: bool = True,
+                 sync_module_states: bool = False):
         try:
             mesh = _resolve_mesh(mesh)
             _check_options(mesh, extra_data_axis, mixed_precision, shard_output,
                            reshard_after_forward=reshard_after_forward,
-                           shard_param_on_dim_0=shard_param_on_dim_0, shard_input=shard_input)
+                           shard_param_on_dim_0=shard_param_on_dim_0, shard_input=shard_input,
+                           sync_module_states=sync_module_states)
             units = select_units(self, auto_wrap_policy)
         except BaseException:
             self.__class__ = type(self).__bases__[1]  # bad arguments leave the module as given
@@ -122,6 +129,7 @@ class FSDP:
         self._fsdp_batch = None
         self._fsdp_rows_shardings: dict = {}
         self._fsdp_order_by_data = False
+        _agree_initial_values(self, sync_module_states)
         _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
         owned: set = set()
         self._fsdp_units = []
@@ -175,12 +183,27 @@ class FSDP:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def state_dict(self, *args, **kwargs):
-        """Full tensors on CPU under the original names (use ``sharded_state_dict`` for shards)."""
-        return full_state_dict(self, super().state_dict(*args, **kwargs))
+    def state_dict(self, *args, rank0_only: bool = False, **kwargs):
+        """Full tensors on CPU under the original names (use ``sharded_state_dict`` for shards).
+
+        In a multi-process run this gathers every sharded tensor: a collective, so every process
+        must call it.
+
+        Args:
+            rank0_only: only process 0 keeps the host copies; the others return ``{}`` (they
+                still take part in the gathers).
+
+        Example:
+            >>> state = model.state_dict(rank0_only=True)     # on every process
+            >>> if xshard.is_main_process():
+            ...     torch.save(state, "model.pt")
+        """
+        return full_state_dict(self, super().state_dict(*args, **kwargs), rank0_only=rank0_only)
 
     def sharded_state_dict(self) -> dict:
-        """Each parameter/buffer as its local shards (CPU) plus what is needed to reassemble it."""
+        """Each parameter/buffer as this process's local shards (CPU) plus what is needed to
+        reassemble it; no communication. In a multi-process run the entries are incomplete (the
+        other blocks live on other processes): ``to_full`` refuses them."""
         return sharded_state_dict(self, nn.Module.state_dict(self))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -227,6 +250,74 @@ def param_annotation(p: torch.Tensor, mesh: Mesh, on_dim_0: bool) -> sh.Annotati
         dim = 0 if on_dim_0 else max(range(p.dim()), key=lambda d: (p.shape[d], -d))
         spec[dim] = FSDP_AXIS
     return sh.annotation(mesh, tuple(spec), p.dim())
+
+
+class ParametersDifferError(divergence.MultiProcessDivergenceError):
+    """FSDP's initial parameters differ across the processes of a multi-process run."""
+
+
+def _host_states(root: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's CPU parameters and buffers (each once), by name."""
+    seen, out = set(), []
+    for name, t in itertools.chain(root.named_parameters(), root.named_buffers()):
+        if isinstance(t, XTensor) or t.device.type != "cpu" or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out
+
+
+def _agree_initial_values(root: nn.Module, broadcast: bool) -> None:
+    """Multi-process: process 0's initial values everywhere (``broadcast``), or a check that the
+    processes' values are equal already (each uploads only its own shards, so nothing else
+    would notice)."""
+    if not distributed.ACTIVE:
+        return
+    states = _host_states(root)
+    if broadcast:
+        _broadcast_from_process_0([t for _, t in states])
+        return
+    from xshard.core.dtypes import torch_to_numpy
+
+    digests = [divergence.sample_digest(torch_to_numpy(t.detach())) for _, t in states]
+    everyone = [json.loads(p) for p in
+                divergence.exchange("FSDP initial parameters", json.dumps(digests))]
+    if any(len(d) != len(digests) for d in everyone):
+        counts = ", ".join(f"process {p}: {len(d)}" for p, d in enumerate(everyone))
+        raise ParametersDifferError(
+            f"FSDP: the processes wrap modules with different numbers of parameters and buffers "
+            f"({counts}); every process must build the same model.")
+    differ = [name for i, (name, _) in enumerate(states) if len({d[i] for d in everyone}) > 1]
+    if differ:
+        shown = ", ".join(repr(n) for n in differ[:5]) + (", ..." if len(differ) > 5 else "")
+        raise ParametersDifferError(
+            f"FSDP: {len(differ)} of {len(states)} parameters and buffers differ across the "
+            f"{len(everyone)} processes ({shown}). Every process must start from the same values: "
+            f"call torch.manual_seed(s) with the same s on every process before building the "
+            f"model, or pass FSDP(..., sync_module_states=True) to copy process 0's values to "
+            f"the others.")
+
+
+def _broadcast_from_process_0(tensors: list[torch.Tensor]) -> None:
+    """Overwrites ``tensors`` with process 0's values: their bytes in one buffer, one broadcast
+    (torch.distributed's gloo group; JAX's broadcast_one_to_all without one)."""
+    if not tensors:
+        return
+    with torch.no_grad():
+        flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        buffer = torch.cat(flat)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast(buffer, src=0)
+        else:
+            from jax.experimental import multihost_utils
+
+            buffer = torch.from_numpy(multihost_utils.broadcast_one_to_all(buffer.numpy()).copy())
+        offset = 0
+        for t, f in zip(tensors, flat):
+            t.copy_(buffer[offset:offset + f.numel()].view(t.dtype).reshape(t.shape))
+            offset += f.numel()
 
 
 def _shard_parameters(root: nn.Module, mesh: Mesh, on_dim_0: bool, mp: MixedPrecision | None):

@@ -69,7 +69,7 @@ def parse_sharding(sharding_string: str, all_devices=None) -> ParsedSharding:
     """
     text = sharding_string.strip()
     if all_devices is None:
-        all_devices = [d.id for d in runtime.devices()]
+        all_devices = list(range(runtime.device_count()))  # mesh device ids are positions
     everyone = np.array(sorted(int(d) for d in all_devices), dtype=np.int64)
     if text in ("", "{replicated}"):
         return ParsedSharding((), everyone.reshape(1, -1), "replicated")

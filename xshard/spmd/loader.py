@@ -2,13 +2,16 @@
 
 ``MpDeviceLoader`` wraps any iterable of batches (a tensor, a tuple/list, or a dict of tensors;
 other leaves pass through unchanged). A background thread copies batch i+1 from the host straight
-into its shards (``jax.device_put`` per shard, no replicated copy) while step i runs; the consumer
-thread only wraps the arrived data as xshard tensors.
+into its shards (no replicated copy, and no collective: see ``xshard.core.arrays``) while step i
+runs; the consumer thread only wraps the arrived data as xshard tensors.
 
 [Note: why the background thread makes no tensors]
 Creating an xshard tensor registers its storage cell with core (xshard.core.cells), which ``sync()`` reads.
 The thread therefore produces only IR data nodes (plain values over ``jax.Array``s); the tensors
-are made in the consumer's thread, when a batch is handed out.
+are made in the consumer's thread, when a batch is handed out. Likewise, in a multi-process run the
+thread collects the digests of what it uploads (see ``xshard.core.divergence``) and the consumer
+adds them to the next sync's check when it hands the batch out, so that the check does not depend
+on how far ahead the thread is.
 
 Example:
     >>> mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 
 from xshard.core import api as core
-from xshard.core import execute, ir, runtime
+from xshard.core import divergence, execute, ir, runtime
 from xshard.core.backend import DEVICE, DEVICE_TYPE
 from xshard.core.dtypes import torch_to_numpy
 from xshard.core.tensor import XTensor
@@ -122,7 +125,7 @@ def _upload(t: torch.Tensor, spec: ShardingSpec | None) -> _Pending:
 
 def _local_tiles_dim0(annotation: sh.Annotation) -> int:
     """How many distinct blocks of dimension 0 this process's devices hold."""
-    local = {d.id for d in runtime.local_devices()}
+    local = {runtime.position(d) for d in runtime.local_devices()}
     assignment = annotation.plan.tile_assignment  # (*tile_shape, replicate_factor) of device ids
     return len({pos[0] for pos in np.ndindex(*assignment.shape) if int(assignment[pos]) in local})
 
@@ -132,6 +135,12 @@ def _upload_minibatch(t: torch.Tensor, spec: ShardingSpec, annotation: sh.Annota
         raise ValueError("A minibatch ShardingSpec needs tensors with a batch dimension (dim 0).")
     local_tiles = _local_tiles_dim0(annotation)
     per_host = t.shape[0]
+    if local_tiles == 0:
+        raise RuntimeError(
+            f"A minibatch ShardingSpec loads each process's part of the batch onto its own devices, "
+            f"but the mesh {spec.mesh.device_ids.tolist()} has none of this process's devices "
+            f"(positions {[runtime.position(d) for d in runtime.local_devices()]}). Use a mesh "
+            f"that spans every process, or minibatch=False.")
     if per_host % local_tiles:
         raise RuntimeError(
             f"When minibatch is configured, the per-host batch size must be divisible by the local "
@@ -255,6 +264,16 @@ class _Failure:
         self.error = error
 
 
+class _Transferred:
+    """A batch the thread transferred, and the uploads it made for it."""
+
+    __slots__ = ("batch", "uploads")
+
+    def __init__(self, batch, uploads: list):
+        self.batch = batch
+        self.uploads = uploads
+
+
 def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
     while not stop.is_set():
         try:
@@ -270,7 +289,9 @@ def _prefetch_worker(source, input_sharding, q: queue.Queue, stop: threading.Eve
     # abandoned iterator is collected and its __del__ stops the thread.
     try:
         for batch in source:
-            if not _put(q, stop, _transfer(batch, input_sharding)):
+            with divergence.collect_uploads() as uploads:
+                transferred = _transfer(batch, input_sharding)
+            if not _put(q, stop, _Transferred(transferred, uploads)):
                 return
     except BaseException as e:  # handed to the consumer, raised there
         _put(q, stop, _Failure(e))
@@ -302,7 +323,8 @@ class _PrefetchIterator:
         if isinstance(item, _Failure):
             self.close()
             raise item.error
-        return _materialize(item)
+        divergence.add_uploads(item.uploads)
+        return _materialize(item.batch)
 
     def close(self) -> None:
         """Stops the background thread (it finishes the transfer in progress)."""

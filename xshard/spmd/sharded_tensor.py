@@ -29,9 +29,10 @@ class XLAShard:
         data: the block on CPU, including the padding of uneven shards.
         indices: ``slice`` per dimension into the unpadded global tensor, or ``Ellipsis`` when
             every device holds the whole tensor.
-        shard_device: the device holding it, e.g. ``'CPU:3'``.
+        shard_device: the device holding it, by its mesh device id (its position in
+            ``xshard.devices()``), e.g. ``'CPU:3'``.
         replica_id: 0 for tiled shards; the position in its replication group for partially
-            replicated ones; the device id for fully replicated tensors.
+            replicated ones; the mesh device id for fully replicated tensors.
     """
 
     data: torch.Tensor
@@ -57,7 +58,7 @@ class XLAShard:
 
 
 def _device_name(device) -> str:
-    return f"{device.platform.upper()}:{device.id}"
+    return f"{device.platform.upper()}:{runtime.position(device)}"
 
 
 class XLAShardedTensor(XTensor):
@@ -90,20 +91,24 @@ class XLAShardedTensor(XTensor):
 
     @property
     def local_shards(self) -> list[XLAShard]:
-        """Each device's block (on CPU), ordered by device id."""
+        """This process's devices' blocks (on CPU), ordered by mesh device id; no communication.
+
+        In a multi-process run each process sees the blocks of its own devices only.
+        """
         node, array = self._array()
         annotation = core.annotation(self)
         by_id = {}
         if annotation is not None and not annotation.manual:
             by_id = specs.shard_indices(node.shape, annotation.plan)
         shards = []
-        for shard in sorted(array.addressable_shards, key=lambda s: s.device.id):
+        for shard in sorted(array.addressable_shards, key=lambda s: runtime.position(s.device)):
             data = numpy_to_torch(np.asarray(shard.data))
-            if shard.device.id in by_id:
-                indices, replica = by_id[shard.device.id]
+            position = runtime.position(shard.device)
+            if position in by_id:
+                indices, replica = by_id[position]
             else:
                 indices = _clip(shard.index, node.shape, array.shape)
-                replica = shard.device.id if indices is Ellipsis else shard.replica_id
+                replica = position if indices is Ellipsis else shard.replica_id
             shards.append(XLAShard(data, indices, _device_name(shard.device), replica))
         return shards
 

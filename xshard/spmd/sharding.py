@@ -66,7 +66,9 @@ def annotation(mesh: Mesh, partition_spec, ndim: int) -> Annotation:
 
 
 def hlo_string_of_jax_sharding(sharding, ndim: int) -> str:
-    """PyTorch/XLA's explicit HLO sharding string for a jax Sharding (device ids, not positions)."""
+    """PyTorch/XLA's explicit HLO sharding string for a jax Sharding, naming devices by their
+    position in ``xshard.devices()`` (the mesh device ids), not by JAX's ids (which, in a
+    multi-process run, are 2048, 2049... for process 1's devices on CPU)."""
     hlo = sharding._to_xla_hlo_sharding(ndim)
     if hlo.is_replicated() or ndim == 0:
         return "{replicated}"
@@ -75,7 +77,9 @@ def hlo_string_of_jax_sharding(sharding, ndim: int) -> str:
     dims = list(hlo.tile_assignment_dimensions())
     positions = list(hlo.tile_assignment_devices())
     device_list = sharding._device_assignment
-    ids = np.array([device_list[p].id for p in positions], dtype=np.int64)
+    from xshard.core import runtime
+
+    ids = np.array([runtime.position(device_list[p]) for p in positions], dtype=np.int64)
     replicate = hlo.replicate_on_last_tile_dim()
     tile_shape = tuple(dims[:-1]) if replicate else tuple(dims)
     factor = dims[-1] if replicate else 1
