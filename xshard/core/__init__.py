@@ -9,7 +9,8 @@ device              ``runtime`` (platform, devices, the environment, read once),
                     (joining a multi-process run, the coordinator's key-value store, fail-fast),
                     ``backend`` (the ``xshard`` PyTorch device type), ``device`` (its factory
                     kernels)
-dtypes              ``dtypes`` (PyTorch <-> numpy/JAX, host conversion without loss)
+dtypes              ``dtypes`` (PyTorch <-> numpy/JAX, host conversion without loss), ``padding``
+                    (values padded to an uneven sharding's layout, and cropped back)
 the IR              ``ir`` (the node type, and every op a node can hold)
 tensors             ``tensor`` (``XTensor`` and the dispatcher), ``cells`` (storage, views, pending)
 per-op facts        ``ops`` (what the recorder knows of each aten overload, computed once)
@@ -32,10 +33,10 @@ the layers above core use).
 
 Imports point one way: a module imports only modules of a lower rank in this order (checked by
 tests/core/test_layout.py), so a module can be read knowing only those below it:
-runtime, distributed, dtypes, metrics, ir, cells, lowering, graph, divergence, arrays, compiler,
-execute, rng, backend, ops, record, transfer, fallback, tensor, device, barrier, attention, rnn,
-autocast, debug, api. Recording comes after execution
-in this order because reading a value (``t.item()``) runs pending work.
+runtime, distributed, dtypes, padding, metrics, ir, cells, lowering, graph, divergence, arrays,
+compiler, execute, rng, backend, ops, record, transfer, fallback, tensor, device, barrier,
+attention, rnn, autocast, debug, api. Recording comes after execution in this order because reading
+a value (``t.item()``) runs pending work.
 """
 
 from xshard.core import runtime  # noqa: F401  (configures JAX before anything imports it)

@@ -18,6 +18,7 @@ from xshard.core import arrays, divergence, ir, metrics, runtime
 from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.graph import Graph
 from xshard.core.lowering import RULES, LoweringError, apply_rule
+from xshard.core.padding import crop_array
 
 jax = runtime.jax_module()
 from jax._src.lax import lax as _lax_internal  # noqa: E402
@@ -54,10 +55,8 @@ class Program:
                 vals.append(apply_rule(op, rule, template, [vals[k] for k in a], shape, dtype,
                                        outputs))
             elif kind == "data":
-                x = inputs[a]
-                if x.shape != b:  # padded device data: the logical value is the leading block
-                    x = x[tuple(slice(0, n) for n in b)]
-                vals.append(x)
+                # Padded device data (an uneven sharding): the logical value is the leading block.
+                vals.append(crop_array(inputs[a], b))
             elif kind == "scalar":
                 x = inputs[a]
                 vals.append(_lax_internal._convert_element_type(x, weak_type=True) if b else x)

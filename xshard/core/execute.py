@@ -15,6 +15,7 @@ from xshard.core.cells import live_cells, pending_cells, settled, stored
 from xshard.core.compiler import input_values
 from xshard.core.dtypes import numpy_to_torch, to_numpy_dtype, torch_to_numpy
 from xshard.core.graph import Graph
+from xshard.core.padding import crop_host
 
 jax = runtime.jax_module()
 
@@ -317,7 +318,5 @@ def to_cpu(t) -> torch.Tensor:
             "This tensor holds per-device shards inside a manual sharding region; close the region "
             "with xshard.spmd.disable_manual_sharding(t, spec, full_shape) to read its value.")
     array = node.payload if node.op is ir.DATA else evaluate([node])[0]
-    out = numpy_to_torch(arrays.to_host(array))  # collective if no process holds all of it
-    if tuple(out.shape) != tuple(node.shape):  # padded for an uneven sharding
-        out = out[tuple(slice(0, n) for n in node.shape)].clone()
-    return out
+    # A collective when no process holds all of it; cropped when padded (an uneven sharding).
+    return crop_host(numpy_to_torch(arrays.to_host(array)), node.shape)

@@ -13,6 +13,7 @@ from xshard.core import ir
 from xshard.core.backend import DEVICE_TYPE
 from xshard.core.cells import LazyTensor
 from xshard.core.execute import to_cpu, upload_node
+from xshard.core.padding import pad_host
 from xshard.core.record import clone, convert, expand
 
 aten = torch.ops.aten
@@ -43,11 +44,7 @@ def copy_(dst, src):
 def upload_annotated(t: torch.Tensor, annotation) -> ir.Node:
     """CPU tensor ``t`` uploaded as ``annotation`` lays it out (padded where a dim doesn't divide)."""
     logical = tuple(t.shape)
-    padded = tuple(annotation.padded_shape(logical))
-    if padded != logical:
-        full = t.new_zeros(padded)
-        full[tuple(slice(0, n) for n in logical)] = t
-        t = full
+    t = pad_host(t, annotation.padded_shape(logical))
     node = upload_node(t.contiguous(), annotation.jax_sharding)
     return ir.data_node(node.payload, logical, node.dtype, node.sharding)
 

@@ -8,6 +8,7 @@ import torch
 
 from xshard.core import ir, runtime
 from xshard.core.lowering.table import RULES, apply_rule
+from xshard.core.padding import pad_array
 
 jax = runtime.jax_module()
 jnp = jax.numpy
@@ -29,10 +30,7 @@ def _constrain(x, sharding):
 
 
 def _shard_output(x, padded_shape, sharding):
-    pads = [(0, p - n, 0) for n, p in zip(x.shape, padded_shape)]
-    if any(hi for _, hi, _ in pads):
-        x = lax.pad(x, jnp.zeros((), x.dtype), pads)
-    return lax.with_sharding_constraint(x, sharding)
+    return lax.with_sharding_constraint(pad_array(x, padded_shape), sharding)
 
 
 def _partial_sum(rows, sharding):
