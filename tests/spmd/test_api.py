@@ -456,3 +456,21 @@ def test_bad_tensors():
         xs.mark_sharding(base, (4, 2), ("data", None))
     with pytest.raises(TypeError, match="get_sharding_spec needs a tensor on the xshard device"):
         xs.get_sharding_spec(torch.zeros(2))
+
+
+def test_default_placed_data_copied_to_a_sub_mesh_once(monkeypatch):
+    """Unannotated data read together with data on a sub-mesh is copied onto the sub-mesh's
+    devices once, not every step (the copy is kept with the data)."""
+    from xshard.core import arrays
+
+    calls = []
+    original = arrays.replicated_on
+    monkeypatch.setattr(arrays, "replicated_on", lambda *a: calls.append(1) or original(*a))
+    sub = xs.Mesh(np.arange(4), (4,), ("x",))
+    a = torch.ones(8, 4, device=xshard.device())
+    xs.mark_sharding(a, sub, ("x", None))
+    b = torch.randn(8, 4).to(xshard.device())  # replicated over all 8 devices
+    xshard.sync()
+    for step in range(3):
+        torch.testing.assert_close((a * b * step).cpu(), step * b.cpu())
+    assert len(calls) == 1

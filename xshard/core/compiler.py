@@ -74,7 +74,7 @@ def input_values(graph: Graph) -> list:
             values.append(np.asarray(node.payload, to_numpy_dtype(node.dtype)))
         else:
             values.append(node.payload)
-    return _colocate(values)
+    return _colocate(graph.inputs, values)
 
 
 # [Note: default placement on a sub-mesh]
@@ -82,33 +82,48 @@ def input_values(graph: Graph) -> list:
 # over fewer devices (e.g. FSDP on Mesh(range(4), (4,), ('fsdp',))) would mix device sets, which jit
 # refuses ("incompatible devices"); such default-placed inputs are copied, replicated, onto the
 # devices of the other inputs. Only when those all share one device set: a graph mixing two
-# different sub-meshes is the user's error, and jit says so.
-def _colocate(values):
-    all_devices = len(runtime.devices())
-    if all_devices == 1:
+# different sub-meshes is the user's error, and jit says so. The copy is kept with the data node,
+# so a step that reads the same data again does not copy it again.
+def _colocate(inputs, values):
+    if len(runtime.devices()) == 1:
         return values
     placed, default = set(), []
-    for i, v in enumerate(values):
-        sharding = getattr(v, "sharding", None)
-        if sharding is None:
+    for i, node in enumerate(inputs):
+        if node.op is not ir.DATA or node.sharding is None:
             continue
-        devices = sharding.device_set
-        if len(devices) == all_devices:
-            if sharding.is_fully_replicated:
-                default.append(i)
-        else:
-            placed.add(frozenset(devices))
+        devices, everywhere_replicated = _placement(node.sharding)
+        if everywhere_replicated:
+            default.append(i)
+        elif devices is not None:
+            placed.add(devices)
     if not default or len(placed) != 1:
         return values
     target = _replicated_on(next(iter(placed)))
-    values = list(values)
     for i in default:
-        v = values[i]
+        node, v = inputs[i], values[i]
         if isinstance(v, jax.ShapeDtypeStruct):
             values[i] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target)
+        elif node.placed is not None and node.placed[0] is target:
+            values[i] = node.placed[1]
         else:
             values[i] = arrays.replicated_on(v, target)
+            node.placed = (target, values[i])
     return values
+
+
+_PLACEMENTS: dict = {}
+
+
+def _placement(sharding):
+    """(its device set if not every device, whether replicated over every device) of a data
+    node's sharding, computed once per sharding (a data node keeps one object per layout)."""
+    entry = _PLACEMENTS.get(id(sharding))
+    if entry is None or entry[0] is not sharding:
+        devices = frozenset(sharding.device_set)
+        everywhere = len(devices) == len(runtime.devices())
+        entry = _PLACEMENTS[id(sharding)] = (
+            sharding, None if everywhere else devices, everywhere and sharding.is_fully_replicated)
+    return entry[1], entry[2]
 
 
 _REPLICATED_ON: dict = {}

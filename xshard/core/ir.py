@@ -115,7 +115,7 @@ def slot(index: int) -> Slot:
 
 class Node:
     __slots__ = ("op", "inputs", "template", "shape", "dtype", "outputs", "payload", "sharding",
-                 "key", "manual", "holders")
+                 "key", "manual", "holders", "placed")
 
     def __init__(self, op, inputs=(), template=None, shape=None, dtype=None, outputs=None,
                  payload=None, sharding=None, key=None):
@@ -216,6 +216,7 @@ def data_node(array, shape, dtype, sharding=None) -> Node:
         sharding = _representative(sharding, len(shape))
     node = Node(DATA, shape=tuple(shape), dtype=dtype, payload=array, sharding=sharding)
     node.holders = 0  # cells holding this data (see [Note: pending cells and held data])
+    node.placed = None  # a copy on a sub-mesh's devices (see [Note: default placement...])
     return node
 
 
