@@ -58,6 +58,15 @@ def test_transformer_policy_wraps_each_layer_class():
     assert names(net, select_units(net, policy)) == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
 
 
+def test_pytorch_module_wrap_policy_object():
+    """PyTorch's own policy objects work as they do with PyTorch FSDP."""
+    from xshard.fsdp import ModuleWrapPolicy
+
+    net = Net()
+    assert names(net, select_units(net, ModuleWrapPolicy({Block}))) == [
+        "blocks.0", "blocks.1", "blocks.2", "<root>"]
+
+
 def test_transformer_policy_several_classes():
     net = Net()
     policy = functools.partial(transformer_auto_wrap_policy,

@@ -6,7 +6,8 @@ Example:
     >>> model = FSDP(GPT(cfg), auto_wrap_policy=partial(transformer_auto_wrap_policy,
     ...                                                 transformer_layer_cls={Block}))
 
-Module order: wrap (policies) <- mixed_precision <- fully_shard (FSDP, units) <- state_dict <- utils.
+Module order (each imports only those before it): wrap (policies, PyTorch's), mixed_precision,
+partial (no_sync's per-device partial sums), state_dict <- fully_shard (FSDP, units) <- utils.
 """
 
 from xshard.fsdp.fully_shard import (FSDP, FSDP_AXIS, ParametersDifferError, TrainingState,
@@ -14,8 +15,9 @@ from xshard.fsdp.fully_shard import (FSDP, FSDP_AXIS, ParametersDifferError, Tra
 from xshard.fsdp.mixed_precision import MixedPrecision
 from xshard.fsdp.state_dict import IncompleteShardsError, ShardedEntry, to_full
 from xshard.fsdp.utils import checkpoint_module
-from xshard.fsdp.wrap import (always_wrap_policy, lambda_auto_wrap_policy, select_units,
-                              size_based_auto_wrap_policy, transformer_auto_wrap_policy)
+from xshard.fsdp.wrap import (ModuleWrapPolicy, always_wrap_policy, lambda_auto_wrap_policy,
+                              select_units, size_based_auto_wrap_policy,
+                              transformer_auto_wrap_policy)
 
 FullyShardedDataParallel = FSDP
 SpmdFullyShardedDataParallel = FSDP
@@ -23,5 +25,6 @@ SpmdFullyShardedDataParallel = FSDP
 __all__ = ["FSDP", "FullyShardedDataParallel", "SpmdFullyShardedDataParallel", "FSDP_AXIS",
            "MixedPrecision", "TrainingState", "ShardedEntry", "IncompleteShardsError", "to_full",
            "ParametersDifferError", "checkpoint_module",
-           "always_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
-           "transformer_auto_wrap_policy", "select_units", "param_annotation"]
+           "ModuleWrapPolicy", "always_wrap_policy", "lambda_auto_wrap_policy",
+           "size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "select_units",
+           "param_annotation"]

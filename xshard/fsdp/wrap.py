@@ -1,7 +1,8 @@
-"""Auto-wrap policies: which submodules become FSDP units.
+"""Auto-wrap policies: which submodules become FSDP units. The policies are PyTorch's own
+(``torch.distributed.fsdp.wrap``); ``select_units`` applies one.
 
 A policy is called as ``policy(module=m, recurse=..., nonwrapped_numel=n)``, the signature PyTorch FSDP
-users write with ``functools.partial``. With ``recurse=True`` it answers "may units be made inside
+users write with ``functools.partial`` (a ``ModuleWrapPolicy`` is called the same way). With ``recurse=True`` it answers "may units be made inside
 ``m``?"; with ``recurse=False``, "is ``m`` itself a unit?", ``n`` being the parameters of ``m`` not
 already in a unit below it.
 
@@ -13,34 +14,26 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch.nn as nn
+from torch.distributed.fsdp import wrap as _torch_wrap
+from torch.distributed.fsdp.wrap import (ModuleWrapPolicy, always_wrap_policy,  # noqa: F401
+                                         lambda_auto_wrap_policy, size_based_auto_wrap_policy)
 
-
-def always_wrap_policy(*args, **kwargs) -> bool:
-    """Every module is a unit."""
-    return True
-
-
-def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
-                            lambda_fn: Callable[[nn.Module], bool]) -> bool:
-    """A unit wherever ``lambda_fn(module)`` is true."""
-    if recurse:
-        return True
-    return bool(lambda_fn(module))
+__all__ = ["always_wrap_policy", "lambda_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "size_based_auto_wrap_policy", "ModuleWrapPolicy", "select_units"]
 
 
 def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                                  transformer_layer_cls: Iterable[type]) -> bool:
-    """A unit for each instance of the given layer classes (e.g. a transformer block); one class
-    is accepted as well as a set of them."""
-    if recurse:
-        return True
-    return isinstance(module, _layer_classes(transformer_layer_cls))
+    """PyTorch's policy (a unit for each instance of the given layer classes, e.g. a transformer
+    block), also taking one class where PyTorch wants a set, and checking the classes."""
+    return _torch_wrap.transformer_auto_wrap_policy(
+        module, recurse, nonwrapped_numel, _layer_classes(transformer_layer_cls))
 
 
-def _layer_classes(transformer_layer_cls) -> tuple:
+def _layer_classes(transformer_layer_cls) -> set:
     classes = ((transformer_layer_cls,) if isinstance(transformer_layer_cls, type)
                else tuple(transformer_layer_cls))
     for c in classes:
@@ -48,29 +41,7 @@ def _layer_classes(transformer_layer_cls) -> tuple:
             raise TypeError(
                 f"transformer_layer_cls must hold module classes, got {c!r} in "
                 f"{transformer_layer_cls!r}; pass e.g. transformer_layer_cls={{Block}}.")
-    return classes
-
-
-def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
-                                min_num_params: int = int(1e8), force_leaf_modules=None,
-                                exclude_wrap_modules=None) -> bool:
-    """A unit for each module holding at least ``min_num_params`` parameters not yet in a unit.
-
-    ``force_leaf_modules`` (default ``{nn.MultiheadAttention}``) are never split further;
-    ``exclude_wrap_modules`` (default ``{nn.ModuleList, nn.ModuleDict}``) are never units.
-    """
-    force_leaf = tuple(size_based_auto_wrap_policy.FORCE_LEAF_MODULES
-                       if force_leaf_modules is None else force_leaf_modules)
-    exclude = tuple(size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
-                    if exclude_wrap_modules is None else exclude_wrap_modules)
-    is_large = nonwrapped_numel >= min_num_params
-    if recurse:
-        return is_large and not isinstance(module, force_leaf)
-    return is_large and not isinstance(module, exclude)
-
-
-size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}
-size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}
+    return set(classes)
 
 
 def _numel(module: nn.Module, seen: set) -> int:
