@@ -13,9 +13,11 @@ granule. So collectives over the inner (ICI) factor of an axis stay inside a
 granule. The device order is built as:
 
 1. ``prod(D)`` granules of ``prod(I)`` devices each.
-2. ``blocks[d_0..d_{k-1}, i_0..i_{k-1}]``: granule number ``ravel(d)``
-   (row-major over D) fills an I-shaped block row-major.
-3. Interleave the axes as ``(d_0, i_0, d_1, i_1, ...)`` and merge each pair,
+2. Each granule's devices are laid out in an I-shaped block by JAX's
+   ``mesh_utils.create_device_mesh``, which follows the physical topology (a
+   TPU slice's torus); elsewhere it keeps the devices' order (row-major).
+3. Granule number ``ravel(d)`` (row-major over D) is block ``d``; the blocks
+   are placed side by side, block ``d`` at offset ``d[i] * I[i]`` on axis i,
    giving shape ``(D[0]*I[0], D[1]*I[1], ...)``.
 
 Worked example: 8 devices, granules ``[0..3]`` and ``[4..7]``, ``I=(2, 2)``,
@@ -96,10 +98,24 @@ def _hybrid_device_ids(
             "of devices per slice/process."
         )
     k = len(ici_mesh_shape)
-    blocks = np.asarray(granules, dtype=np.int64).reshape(dcn_mesh_shape + ici_mesh_shape)
+    blocks = np.stack([_arrange(g, ici_mesh_shape) for g in granules])
+    blocks = blocks.reshape(dcn_mesh_shape + ici_mesh_shape)
     interleaved = [axis for i in range(k) for axis in (i, k + i)]
     mesh_shape = tuple(d * i for d, i in zip(dcn_mesh_shape, ici_mesh_shape))
     return blocks.transpose(interleaved).reshape(mesh_shape)
+
+
+def _arrange(granule: Sequence[int], ici_mesh_shape: tuple[int, ...]) -> np.ndarray:
+    """The device IDs of one granule laid out as ``ici_mesh_shape`` by JAX's topology-aware
+    ``mesh_utils.create_device_mesh``."""
+    from jax.experimental import mesh_utils
+
+    devices = _mesh._runtime_devices()
+    chosen = [devices[i] for i in granule]
+    arranged = mesh_utils.create_device_mesh(ici_mesh_shape, devices=chosen,
+                                             allow_split_physical_axes=True)
+    position = {id(d): i for i, d in zip(granule, chosen)}
+    return np.vectorize(lambda d: position[id(d)], otypes=[np.int64])(arranged)
 
 
 class HybridMesh(Mesh):
