@@ -175,3 +175,20 @@ def test_abandoned_iterator_stops_its_thread(mesh):
     gc.collect()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_batches_of_any_structure(mesh):
+    """Tuples, lists, namedtuples, dicts and mappings PyTorch's pytree does not know (a
+    tokenizer's BatchEncoding is a UserDict) all arrive with their tensors on the device."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "x y")
+    spec = xs.ShardingSpec(mesh, ("data", None))
+    batch = {"pair": Pair(torch.ones(8, 2), [torch.zeros(8, 3), 5]),
+             "encoding": collections.UserDict(ids=torch.arange(16).reshape(8, 2)), "name": "b"}
+    got = xs.send_cpu_data_to_device(batch, input_sharding=spec)
+    assert isinstance(got["pair"], Pair) and got["name"] == "b" and got["pair"].y[1] == 5
+    for t in (got["pair"].x, got["pair"].y[0], got["encoding"]["ids"]):
+        assert t.device == xshard.device()
+        assert xs.get_sharding_spec(t).startswith("{devices=[4,1,2]")
+    assert torch.equal(got["encoding"]["ids"].cpu(), torch.arange(16).reshape(8, 2))

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -30,6 +31,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map
 
 from xshard.core import api as core
 from xshard.core import divergence, execute, ir, runtime
@@ -186,30 +188,33 @@ def _transfer(batch, input_sharding):
                     f"replicate it).")
             out[key] = _transfer(value, input_sharding[key])
         return type(batch)(out) if type(batch) is not dict else out
-    if isinstance(batch, torch.Tensor):
-        spec = input_sharding if input_sharding is not None and input_sharding.can_apply(
-            batch) else None
-        return _upload(batch, spec)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_transfer(v, input_sharding) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_transfer(v, input_sharding) for v in batch)
-    if isinstance(batch, Mapping):
-        return {k: _transfer(v, input_sharding) for k, v in batch.items()}
-    return batch
+    def upload(t):
+        applies = input_sharding is not None and input_sharding.can_apply(t)
+        return _upload(t, input_sharding if applies else None)
+
+    return _map_leaves(batch, torch.Tensor, upload)
 
 
 def _materialize(batch):
     """Wraps the transferred data of a batch as xshard tensors (in the consumer's thread)."""
-    if isinstance(batch, _Pending):
-        return _as_tensor(batch)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_materialize(v) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_materialize(v) for v in batch)
-    if isinstance(batch, dict):
-        return {k: _materialize(v) for k, v in batch.items()}
-    return batch
+    return _map_leaves(batch, _Pending, _as_tensor)
+
+
+def _map_leaves(tree, kind, fn):
+    """``tree`` with ``fn`` applied to its leaves of type ``kind`` (PyTorch's pytree; a mapping
+    pytree does not know, such as a tokenizer's ``BatchEncoding``, becomes a dict)."""
+    def visit(x):
+        if isinstance(x, kind):
+            return fn(x)
+        if isinstance(x, Mapping):
+            return {k: _map_leaves(v, kind, fn) for k, v in x.items()}
+        return x
+
+    return tree_map(visit, tree, is_leaf=lambda x: isinstance(x, Mapping) and
+                    type(x) not in _PYTREE_MAPPINGS)
+
+
+_PYTREE_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
 
 
 def send_cpu_data_to_device(batch, device=None, input_sharding=None):
