@@ -14,6 +14,7 @@ their targets (see [Note: cells and views] in xshard.core.cells); the dispatcher
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_map
 
 from xshard.core import ir, rng
 from xshard.core.backend import DEVICE_TYPE
@@ -142,15 +143,9 @@ _META: dict = {}
 
 def _to_meta(x):
     if isinstance(x, torch.Tensor):
-        if isinstance(x, LazyTensor):
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        if x.dim() == 0:
-            return torch.empty((), dtype=x.dtype, device="meta")
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
         return torch.device("meta")
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
     return x
 
 
@@ -159,7 +154,7 @@ def meta(func, args, kwargs, key: tuple):
     stride, dtype, offset)``, ``("seq", type, specs)`` or ``("const", value)``), cached by ``key``."""
     entry = _META.get(key)
     if entry is None:
-        out = func(*_to_meta(args), **{k: _to_meta(v) for k, v in kwargs.items()})
+        out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
         entry = _META[key] = (_describe(out), ir.intern_key(("call", key)))
     return entry
 
