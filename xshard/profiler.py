@@ -48,13 +48,13 @@ __all__ = ["start_server", "stop_server", "trace", "trace_detached", "start_trac
            "Trace", "StepTrace", "trace_me", "set_tracer_marked_step", "get_tracer_marked_step"]
 
 
-# -- a profiler server and remote capture -------------------------------------------------------------
+# -- a profiler server and remote capture ----------------------------------------------------------
 
 _server = None
 
 
 def start_server(port: int, only_on_master: bool = True):
-    """Starts a profiler server in this process, for ``trace()`` or TensorBoard/xprof to collect from.
+    """Starts a profiler server in this process, for ``trace()`` or TensorBoard/xprof to collect.
 
     The server is jax's (``jax.profiler.start_server``); it listens on every network interface of
     the machine, so use a port your firewall keeps private.
@@ -64,7 +64,7 @@ def start_server(port: int, only_on_master: bool = True):
         only_on_master: in a multi-process run, start it on process 0 only.
 
     Returns:
-        The server object (keep it; ``stop_server()`` stops it), or None on a process that starts none.
+        The server object (``stop_server()`` stops it), or None on a process that starts none.
 
     Example:
         >>> server = xshard.profiler.start_server(9012)  # doctest: +SKIP
@@ -124,7 +124,7 @@ def trace(service_addr: str, logdir: str, duration_ms: int = 1000, num_tracing_a
         The run directory written (``<logdir>/plugins/profile/<run>``), or None if none appeared.
 
     Example:
-        >>> xshard.profiler.trace("127.0.0.1:9012", "/tmp/profile", duration_ms=2000)  # doctest: +SKIP
+        >>> xshard.profiler.trace("127.0.0.1:9012", "/tmp/prof", duration_ms=2000)  # doctest: +SKIP
     """
     if not isinstance(service_addr, str) or not service_addr.strip():
         raise ValueError(f"service_addr must be 'host:port' (several comma-separated), e.g. "
@@ -162,7 +162,7 @@ def trace_detached(*args, **kwargs) -> threading.Thread:
     return thread
 
 
-# -- tracing this process -------------------------------------------------------------------------------
+# -- tracing this process --------------------------------------------------------------------------
 
 _logdir = None
 
@@ -224,7 +224,7 @@ def _latest_run(logdir: str):
     return max(runs, key=os.path.getmtime) if runs else None
 
 
-# -- user spans -----------------------------------------------------------------------------------------
+# -- user spans ------------------------------------------------------------------------------------
 
 _TRACER_MARKED_STEP = False
 

@@ -180,7 +180,8 @@ def test_names_never_change_the_cache():
     with core_trace.naming("renamed"):
         (a * 5).exp().cpu()
     after = met.snapshot()
-    assert after["compiles"] == before["compiles"] and after["cache_hits"] == before["cache_hits"] + 2
+    assert after["compiles"] == before["compiles"]
+    assert after["cache_hits"] == before["cache_hits"] + 2
 
 
 def test_naming_names_programs():
@@ -319,3 +320,23 @@ def test_remote_capture_from_a_server(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_plot_script_draws_the_trace(traced, tmp_path):
+    """scripts/plot_trace.py (the README's picture) reads the trace JSON and finds every kind of
+    span in it."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "plot_trace.py")
+    spec = importlib.util.spec_from_file_location("plot_trace", path)
+    plot_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_trace)
+    run_dir, _, _ = traced
+    steps, user, xshard_spans, devices = plot_trace.classify(*plot_trace.load(run_dir))
+    assert len(steps) == 3 and {e["name"] for e in user} == {"fwd_bwd"}
+    assert {e["name"] for e in xshard_spans} == XSHARD_SPANS
+    assert devices  # XLA's CPU client threads executed the program
+    out = tmp_path / "timeline.png"
+    assert plot_trace.main([run_dir, "--steps", "1", "2", "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"

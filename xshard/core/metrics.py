@@ -135,11 +135,11 @@ class _Metrics:
 METRICS = _Metrics()
 
 
-# -- recording (called by the core) -----------------------------------------------------------------
+# -- recording (called by the core) ----------------------------------------------------------------
 
 
 def count_fallback(op_name: str) -> None:
-    """Counts one CPU-fallback call of ``op_name`` (``str(func)``, e.g. ``aten.nonzero.default``)."""
+    """Counts one CPU-fallback call of ``op_name`` (``str(func)``: ``aten.nonzero.default``)."""
     METRICS.cpu_fallbacks[op_name] += 1
     namespace, _, rest = op_name.partition(".")
     METRICS.counters[f"{namespace}::{rest.partition('.')[0]}"] += 1
@@ -174,7 +174,7 @@ def record_transfer_from_device(seconds: float) -> None:
     METRICS.sample(TRANSFER_FROM_DEVICE_TIME, seconds * 1e9)
 
 
-# -- PyTorch/XLA's interface ------------------------------------------------------------------------
+# -- PyTorch/XLA's interface -----------------------------------------------------------------------
 
 
 def _check_name(name, what: str) -> None:
@@ -323,7 +323,8 @@ _SHORT_METRICS = ("CompileTime", "ExecuteTime", "ExecuteReplicatedTime", "Transf
                   "TransferFromDeviceTime")
 
 
-def short_metrics_report(counter_names: list | None = None, metric_names: list | None = None) -> str:
+def short_metrics_report(counter_names: list | None = None,
+                         metric_names: list | None = None) -> str:
     """The named metrics and counters (if active), then every CPU-fallback counter (``aten::``).
 
     Args:
@@ -359,7 +360,7 @@ def _names(given, default, argument: str) -> tuple:
     return tuple(given)
 
 
-# -- xshard's short view ----------------------------------------------------------------------------
+# -- xshard's short view ---------------------------------------------------------------------------
 
 
 def snapshot() -> dict:

@@ -99,7 +99,7 @@ def end_recording() -> None:
         _recording_since = None
 
 
-# -- phases -------------------------------------------------------------------------------------------
+# -- phases ----------------------------------------------------------------------------------------
 
 
 class Phase:
@@ -176,7 +176,7 @@ def phased(kind: Phase):
     return wrap
 
 
-# -- naming executables -------------------------------------------------------------------------------
+# -- naming executables ----------------------------------------------------------------------------
 
 # [Note: executable names]
 # jax names a jitted callable's program after its ``__name__`` (``jit(<unnamed function>)`` without
@@ -251,14 +251,14 @@ def program_name() -> str:
     return _last_name
 
 
-# -- the executable cache's events, and XSHARD_DEBUG --------------------------------------------------
+# -- the executable cache's events, and XSHARD_DEBUG -----------------------------------------------
 
 _EXECUTABLE_NAMES = weakref.WeakKeyDictionary()  # jax Compiled -> the name its program was given
 _runs = itertools.count(1)
 
 
 def cache_hit(graph, exe) -> None:
-    """``exe`` (an executable-cache entry) serves ``graph``: counted; reported under XSHARD_DEBUG."""
+    """``exe`` (a cache entry) serves ``graph``: counted, and reported under XSHARD_DEBUG."""
     metrics.record_cache_hit()
     if DEBUG:
         _report(graph, _EXECUTABLE_NAMES.get(exe.compiled, "?"), None)
