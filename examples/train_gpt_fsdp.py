@@ -83,7 +83,8 @@ def train_step(model, opt, x, y, k: int, sync_each: bool):
         opt.step()
         opt.zero_grad()
     if sync_each:
-        xshard.sync()  # the step's graph, named after this function: jit(xshard_train_step_<n>)
+        # The step's graph, named after the function that syncs it: jit(xshard_train_step_<n>).
+        xshard.sync()
     return total
 
 
