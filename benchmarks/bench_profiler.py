@@ -2,8 +2,8 @@
 
 Records training steps of ``xshard.models.GPT`` (as ``bench_tracing.py`` does) and reports:
 
-- the per-op hook (``if trace.OPEN is None`` in ``dispatch``): ns per aten call, timed in a tight
-  loop, and its share of a step's recording time;
+- the per-op hook (``if trace.OPEN is None`` in ``tensor.dispatch``): ns per aten call, timed in
+  a tight loop, and its share of a step's recording time;
 - xshard's phases (span + metric) per sync and per transfer, ``Trace`` / ``StepTrace`` spans: µs
   per enter/exit with no trace active;
 - a step's recording and sync host time with no trace active and while a trace is collected
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_tracing  # noqa: E402
 import xshard  # noqa: E402
 import xshard.profiler as xp  # noqa: E402
-from xshard.core import dispatch, trace  # noqa: E402
+from xshard.core import tensor, trace  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -56,7 +56,7 @@ def per_call_ns(fn, n=200_000) -> float:
 
 
 def hook_loop(n):
-    module = dispatch.trace  # the same lookups dispatch() makes
+    module = tensor.trace  # the same lookups tensor.dispatch() makes
     for _ in range(n):
         if module.OPEN is None:
             module.recording_op()
