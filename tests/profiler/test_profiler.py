@@ -340,3 +340,19 @@ def test_plot_script_draws_the_trace(traced, tmp_path):
     out = tmp_path / "timeline.png"
     assert plot_trace.main([run_dir, "--steps", "1", "2", "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_names_stay_out_of_the_multi_process_program_digest():
+    """Processes compare program digests before running; a name (the triggering function and a
+    per-process count) is display only and must not make equal programs differ."""
+    from xshard.core import compiler, divergence, graph
+
+    a = torch.randn(3, 29).to(DEV)
+    pending = api.value((a * 3).cos())
+    with core_trace.naming("first"):
+        one = compiler.lower(graph.Graph([pending]))
+    with core_trace.naming("second"):
+        two = compiler.lower(graph.Graph([pending]))
+    assert "module @jit_xshard_first_" in one.as_text()
+    assert "module @jit_xshard_second_" in two.as_text()
+    assert divergence.program_digest(one) == divergence.program_digest(two)
