@@ -5,10 +5,13 @@ memory each device holds: the live device buffers (parameters, gradients, optimi
 over the 'fsdp' axis) and XLA's compiled memory statistics of one training step (arguments, outputs,
 temporaries). With ``--check`` it also trains the unwrapped model on eager CPU and compares losses.
 With ``--accumulate K`` each step accumulates gradients over K micro-batches, all but the last under
-``model.no_sync()`` (no gradient collective in those).
+``model.no_sync()`` (no gradient collective in those). With ``--profile LOGDIR`` the training steps
+are traced (``xshard.profiler``): each step is a ``StepTrace`` span holding ``forward``,
+``backward`` and ``optimizer`` spans; see the README's "Profiling" section.
 
 Run:  python examples/train_gpt_fsdp.py --steps 10 --policy transformer
       python examples/train_gpt_fsdp.py --accumulate 4 --check
+      python examples/train_gpt_fsdp.py --steps 4 --profile /tmp/gpt-profile
 """
 
 import argparse
@@ -26,6 +29,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import xshard  # noqa: E402
+import xshard.profiler as xp  # noqa: E402
 import xshard.spmd as xs  # noqa: E402
 from xshard.core import compiler, execute  # noqa: E402
 from xshard.fsdp import FSDP, size_based_auto_wrap_policy, transformer_auto_wrap_policy  # noqa: E402
@@ -52,6 +56,8 @@ def parse_args(argv=None):
                         help="micro-batches per step, all but the last under model.no_sync()")
     parser.add_argument("--check", action="store_true",
                         help="also train the unwrapped model on eager CPU and compare the losses")
+    parser.add_argument("--profile", metavar="LOGDIR",
+                        help="trace the training steps into LOGDIR (xshard.profiler)")
     args = parser.parse_args(argv)
     if args.accumulate < 1 or args.batch % args.accumulate:
         parser.error(f"--accumulate {args.accumulate} must be a positive divisor of --batch "
@@ -66,13 +72,19 @@ def train_step(model, opt, x, y, k: int, sync_each: bool):
     for i, (mx, my) in enumerate(micro):
         quiet = i < k - 1 and isinstance(model, FSDP)
         with model.no_sync() if quiet else contextlib.nullcontext():
-            loss = model(mx, my) / k
-            loss.backward()
+            with xp.Trace("forward"):
+                loss = model(mx, my) / k
+            with xp.Trace("backward"):
+                loss.backward()
         total = total + loss.detach()
         if sync_each and i < k - 1:
             xshard.sync()  # one graph per micro-batch: a micro-batch's activations are freed
-    opt.step()
-    opt.zero_grad()
+    with xp.Trace("optimizer"):
+        opt.step()
+        opt.zero_grad()
+    if sync_each:
+        # The step's graph, named after the function that syncs it: jit(xshard_train_step_<n>).
+        xshard.sync()
     return total
 
 
@@ -103,12 +115,14 @@ def main(argv=None) -> int:
             for _ in range(2)]
     dev = xshard.device()
     worst = 0.0
+    if args.profile:
+        xp.start_trace(args.profile)
     for step in range(args.steps):
         batch = data[step % len(data)]
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         start = time.perf_counter()
-        loss = train_step(model, opt, x.to(dev), y.to(dev), args.accumulate, sync_each=True)
-        xshard.sync()
+        with xp.StepTrace("train", step_num=step):  # a span per step; syncs at its end
+            loss = train_step(model, opt, x.to(dev), y.to(dev), args.accumulate, sync_each=True)
         value = loss.item()
         line = f"step {step:3d}  loss {value:.4f}  {time.perf_counter() - start:6.2f} s"
         if args.check:
@@ -116,6 +130,8 @@ def main(argv=None) -> int:
             worst = max(worst, abs(value - ref_loss.item()))
             line += f"  (eager CPU {ref_loss.item():.4f})"
         console.print(line)
+    if args.profile:
+        console.print(f"trace written to {xp.stop_trace()}")
     snap = xshard.metrics.snapshot()
     console.print(f"compiles: {snap['compiles']} ({snap['compile_seconds']:.1f} s), "
                   f"cache hits: {snap['cache_hits']}")

@@ -38,6 +38,7 @@ def sync(wait: bool = False) -> None:
     Args:
         wait: block until the work has finished (for timing).
     """
+    metrics.count(metrics.MARK_STEP)
     _sync(wait=wait)
 
 
@@ -64,9 +65,10 @@ def manual_seed(seed: int) -> None:
 
 
 from xshard import memory  # noqa: E402  (per-device memory and FLOPs of a step)
+from xshard import profiler  # noqa: E402  (traces: xshard.profiler.start_trace, Trace, StepTrace)
 
 __all__ = ["device", "devices", "device_count", "process_index", "process_count", "initialize",
            "local_device_count", "is_main_process", "InitializationError",
            "MultiProcessDivergenceError", "MultiProcessTimeoutError",
            "sync", "mark_step", "wait", "manual_seed", "metrics", "debug", "runtime",
-           "optimization_barrier", "optimization_barrier_", "compile_only", "memory"]
+           "optimization_barrier", "optimization_barrier_", "compile_only", "memory", "profiler"]

@@ -14,7 +14,7 @@ from xshard.core.lowering import RULES
 ROOT = pathlib.Path(xshard.__file__).parent
 
 # Core modules from the bottom up (xshard/core/__init__.py): each imports only modules before it.
-CORE_ORDER = ["runtime", "distributed", "dtypes", "padding", "metrics", "ir", "cells",
+CORE_ORDER = ["runtime", "distributed", "dtypes", "padding", "metrics", "trace", "ir", "cells",
               "lowering", "graph", "divergence", "arrays", "compiler", "execute", "rng", "backend",
               "ops", "record", "transfer", "fallback", "tensor", "device", "barrier", "attention",
               "rnn", "autocast", "debug", "api"]

@@ -28,12 +28,13 @@ execution           ``execute`` (sync, evaluate, wait, reads, placement, compile
 ==================  =================================================================================
 
 Around them: ``barrier``, ``attention`` and ``rnn`` (device ops built from the above), ``autocast``
-(``torch.autocast`` for the device), ``metrics``, ``debug`` (HLO of pending work), and ``api`` (what
-the layers above core use).
+(``torch.autocast`` for the device), ``metrics``, ``trace`` (xshard's phases as profiler spans,
+executable names, the XSHARD_DEBUG report: hooks that recording, compilation and execution call),
+``debug`` (HLO of pending work), and ``api`` (what the layers above core use).
 
 Imports point one way: a module imports only modules of a lower rank in this order (checked by
 tests/core/test_layout.py), so a module can be read knowing only those below it:
-runtime, distributed, dtypes, padding, metrics, ir, cells, lowering, graph, divergence, arrays,
+runtime, distributed, dtypes, padding, metrics, trace, ir, cells, lowering, graph, divergence, arrays,
 compiler, execute, rng, backend, ops, record, transfer, fallback, tensor, device, barrier,
 attention, rnn, autocast, debug, api. Recording comes after execution in this order because reading
 a value (``t.item()``) runs pending work.

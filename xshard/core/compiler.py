@@ -9,12 +9,11 @@ program here) with the XLA options its ops ask for.
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 
 import numpy as np
 
-from xshard.core import arrays, divergence, ir, metrics, runtime
+from xshard.core import arrays, divergence, ir, runtime, trace
 from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.graph import Graph
 from xshard.core.lowering import RULES, LoweringError, apply_rule
@@ -140,7 +139,9 @@ def _replicated_on(devices: frozenset):
 
 def lower(graph: Graph, values=None, donate=()):
     """``graph`` traced and lowered to StableHLO (a ``jax.stages.Lowered``)."""
-    jitted = jax.jit(Program(graph), donate_argnums=donate)
+    program = Program(graph)
+    program.__name__ = trace.program_name()  # see [Note: executable names] in xshard.core.trace
+    jitted = jax.jit(program, donate_argnums=donate)
     with warnings.catch_warnings():
         # Donation is offered for every buffer no live tensor holds; XLA reuses those it can.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -228,15 +229,15 @@ def executable(graph: Graph, donate: tuple = ()) -> Executable:
     whose buffers nothing else holds) applies to that compilation only."""
     exe = _CACHE.get(graph.key)
     if exe is not None:
-        metrics.METRICS.cache_hits += 1
+        trace.cache_hit(graph, exe)
         return exe
-    _log_recompile(graph)
-    start = time.perf_counter()
-    lowered = lower(graph, donate=donate)
-    compiled = compile_graph(graph, lowered)
-    metrics.METRICS.record_compile(time.perf_counter() - start)
+    cause = _log_recompile(graph)
+    with trace.phase(trace.COMPILE):
+        lowered = lower(graph, donate=donate)
+        compiled = compile_graph(graph, lowered)
     exe = _CACHE[graph.key] = Executable(compiled, tuple(donate), graph.describe(),
                                          divergence.lowered_digest(lowered))
+    trace.compiled(graph, exe, cause)
     return exe
 
 
@@ -245,8 +246,10 @@ def clear_cache() -> None:
 
 
 def _log_recompile(graph: Graph):
-    if not _CACHE or not log.isEnabledFor(logging.DEBUG):
-        return
+    """What differs between ``graph`` and the nearest cached graph (logged at DEBUG level, and
+    returned for XSHARD_DEBUG's report), or None."""
+    if not _CACHE or not (log.isEnabledFor(logging.DEBUG) or trace.DEBUG):
+        return None
     ins, ops = graph.describe()
     best, best_score = None, None
     for exe in _CACHE.values():
@@ -271,5 +274,7 @@ def _log_recompile(graph: Graph):
             break
     if len(cops) != len(ops):
         reasons.append(f"number of ops {len(cops)} -> {len(ops)}")
+    cause = "; ".join(reasons) or "static op arguments"
     log.debug("xshard recompiles a graph of %d ops; nearest cached graph differs in: %s",
-              len(ops), "; ".join(reasons) or "static op arguments")
+              len(ops), cause)
+    return cause

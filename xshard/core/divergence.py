@@ -101,12 +101,16 @@ def sample_digest(array: np.ndarray) -> str:
 # Donation marks an input's buffer as reusable: a local matter (which buffers this process still
 # holds), not part of what the processes must agree on.
 _DONATION = re.compile(r"(jax\.buffer_donor = true|tf\.aliasing_output = \d+ : i32)(, )?")
+# The module's name is the program's display name (see [Note: executable names] in
+# xshard.core.trace: the function that triggered the sync, and a per-process count), not its content.
+_MODULE_NAME = re.compile(r"^module @\S+", re.M)
 
 
 def program_digest(lowered) -> str:
     """sha256 (16 hex digits) of a lowered program's StableHLO text without donation marks. Equal
     across processes (device ids appear as positions) and independent of ``PYTHONHASHSEED``."""
     text = _DONATION.sub("", lowered.as_text()).replace(", }", "}").replace(" {}", "")
+    text = _MODULE_NAME.sub("module @program", text, count=1)
     return text_digest(text)
 
 

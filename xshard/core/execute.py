@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xshard.core import arrays, compiler, divergence, ir, metrics, runtime
+from xshard.core import arrays, compiler, divergence, ir, runtime, trace
 from xshard.core.cells import live_cells, pending_cells, settled, stored
 from xshard.core.compiler import input_values
 from xshard.core.dtypes import numpy_to_torch, to_numpy_dtype, torch_to_numpy
@@ -54,7 +54,8 @@ def upload_node(t: torch.Tensor, sharding=None) -> ir.Node:
         return ir.data_node(aval, tuple(t.shape), t.dtype, sharding)
     # A private copy: JAX reads (CPU: may even keep) the host buffer after device_put returns, so
     # a later in-place write to the CPU tensor would otherwise change the device value.
-    array = arrays.put(np.array(torch_to_numpy(t), copy=True), sharding)  # no hidden collective
+    with trace.phase(trace.TO_DEVICE):
+        array = arrays.put(np.array(torch_to_numpy(t), copy=True), sharding)  # no hidden collective
     return ir.data_node(array, tuple(t.shape), t.dtype, array.sharding)
 
 
@@ -191,6 +192,7 @@ def pending_step() -> PendingStep:
 # -- running ---------------------------------------------------------------------------------------
 
 
+@trace.phased(trace.SYNC)
 @divergence.retry_after_gc
 def sync(wait: bool = False, abstract: bool = False) -> int:
     """Compiles (or reuses) and dispatches one graph computing every pending live tensor; returns
@@ -200,7 +202,8 @@ def sync(wait: bool = False, abstract: bool = False) -> int:
     without data (a ``jax.ShapeDtypeStruct``) laid out as its tensor's annotation says, or
     replicated when it has none, as a real step would leave it (see xshard.memory.abstract_sync).
     """
-    step = PendingStep()
+    with trace.phase(trace.BUILD_GRAPH):
+        step = PendingStep()
     if not step.cells:
         divergence.nothing_to_run()
         if wait:
@@ -237,17 +240,14 @@ def sync(wait: bool = False, abstract: bool = False) -> int:
 def _run(exe, graph: Graph, donatable: tuple) -> list:
     """Runs ``exe`` on ``graph``'s inputs. An input the executable was compiled to donate that
     something now holds is passed as a copy: donation never costs a second executable."""
-    import time
-
     values = input_values(graph)
     if exe.donate != donatable:
         free = set(donatable)
         for i in exe.donate:
             if i not in free:
                 values[i] = jax.device_put(values[i], may_alias=False)
-    start = time.perf_counter()
-    results = exe.compiled(*values)
-    metrics.METRICS.record_execute(time.perf_counter() - start)
+    with trace.phase(trace.EXECUTE):
+        results = exe.compiled(*values)
     return results
 
 
@@ -319,4 +319,6 @@ def to_cpu(t) -> torch.Tensor:
             "with xshard.spmd.disable_manual_sharding(t, spec, full_shape) to read its value.")
     array = node.payload if node.op is ir.DATA else evaluate([node])[0]
     # A collective when no process holds all of it; cropped when padded (an uneven sharding).
-    return crop_host(numpy_to_torch(arrays.to_host(array)), node.shape)
+    with trace.phase(trace.FROM_DEVICE):
+        host = arrays.to_host(array)
+    return crop_host(numpy_to_torch(host), node.shape)

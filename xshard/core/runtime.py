@@ -15,6 +15,9 @@ initialises its backends:
   others at a sync before it raises, default 600), ``XSHARD_CHECK`` (``always``: compare every
   program across processes before it runs, the default; ``off``); and whether a SLURM, Open MPI or
   Cloud TPU environment is present (for JAX's cluster detection).
+- ``XSHARD_DEBUG``: ``1`` prints, for every graph xshard runs, whether it was compiled or came from the
+  cache, what triggered it (the user's line) and, for a compile, why (what differs from the nearest
+  cached graph); ``0`` or unset: off. See ``xshard.core.trace``.
 
 JAX is configured with 64-bit types enabled, because PyTorch programs use int64 and float64 and their
 values must survive (int64 indices beyond 2**31, float64 accumulators). Every lowering rule states its
@@ -150,6 +153,17 @@ def distributed_settings() -> DistributedSettings:
         check=check,
         cluster=_cluster(),
     )
+
+
+@functools.cache
+def debug_enabled() -> bool:
+    """Whether ``XSHARD_DEBUG`` asks for per-step compile reports (read once)."""
+    raw = os.environ.get("XSHARD_DEBUG", "").strip()
+    if raw not in ("", "0", "1"):
+        raise RuntimeConfigError(
+            f"XSHARD_DEBUG={raw!r} must be 1 (print, for every graph run, whether it compiled and "
+            f"why) or 0 (off); unset means 0.")
+    return raw == "1"
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import copy
 
 import torch
 
-from xshard.core import ir, ops, record, transfer
+from xshard.core import ir, ops, record, trace, transfer
 from xshard.core.backend import DEVICE
 from xshard.core.cells import Cell, LazyTensor, contiguous_strides
 from xshard.core.execute import to_cpu
@@ -127,6 +127,8 @@ def _wrap(spec, node):
 
 
 def dispatch(func, args, kwargs):
+    if trace.OPEN is None:  # the first op after a sync or span boundary (see xshard.core.trace)
+        trace.recording_op()
     f = ops.facts(func)
     route = f.route
     if route is ops.RECORD:
@@ -239,6 +241,8 @@ def _restride_(func, args, kwargs):
 
 def factory(func, args, kwargs):
     """Kernel for factory ops called with ``device=xshard``: a node, no data transfer."""
+    if trace.OPEN is None:  # as in dispatch()
+        trace.recording_op()
     node, stride = record.factory(func, args, kwargs)
     return new_base(node, stride)
 
