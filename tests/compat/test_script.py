@@ -97,7 +97,7 @@ def test_xm_save_loads_without_xshard(two):
 
 
 def test_one_process_equals_the_cpu_model(tmp_path):
-    run = _run_script(tmp_path, 1, env={"XSHARD_CPU_DEVICES": "2"})
+    run = _run_script(tmp_path, 1)
     sim = oracle.simulate(_flags(1), 1)
     (line,) = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
     res = json.loads(line[len("RESULT "):])

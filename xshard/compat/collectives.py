@@ -9,9 +9,13 @@ each process takes the replicated result from its own device. On CPU JAX runs th
 gloo, on GPU over NCCL; values never leave the devices.
 
 [Note: one collective for many tensors]
-``xm.optimizer_step`` reduces every gradient. The program takes them all, concatenates those of one
-dtype into one vector, reduces that (one collective per dtype, as torch_xla's gradient buckets),
-and splits the result back, so the number of collectives does not grow with the parameter count.
+``xm.optimizer_step`` reduces every gradient in one program and one variadic ``psum``. Each
+operand of a cross-process all-reduce costs about a millisecond of latency on CPU (gloo), so tensors
+under ``BUCKET_ELEMENTS`` are concatenated per dtype into one operand (as torch_xla's gradient
+buckets) and split back; larger ones travel as operands of their own, because XLA:CPU copies a
+reshaped matrix into a concatenation slowly (18 ms for a 1024 x 1024 float32 one beside a vector,
+against 0.5 ms flat; measured in benchmarks/bench_compat.py's notes). A BatchNorm CNN's 12
+gradients: one operand; a 4 x (1024 x 1024) MLP: 4 weights and one bucket of biases.
 Programs are cached by (op, scale, each tensor's shape and dtype), compared exactly.
 
 Before each collective the processes check, through the coordinator, that they are all about to
@@ -38,12 +42,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 AXIS = "replicas"
 
-# reduce type -> (reduction across replicas inside shard_map, or None: gather, then reduce locally)
+# Reduce types with a collective of their own (inside shard_map, over a value or a tuple of them)...
 _PRIMITIVES = {
     "sum": lambda x: jax.lax.psum(x, AXIS),
     "max": lambda x: jax.lax.pmax(x, AXIS),
     "min": lambda x: jax.lax.pmin(x, AXIS),
 }
+# ...and those computed from an all-gather (replicas on axis 0), reduced locally.
 _GATHERED = {
     "mul": lambda g: jnp.prod(g, axis=0, dtype=g.dtype),
     "and": lambda g: jnp.bitwise_and.reduce(g, axis=0) if g.dtype != jnp.bool_ else jnp.all(g, 0),
@@ -83,7 +88,7 @@ class _Program:
         self.kind, self.op = kind, op
         n = len(signature)
         if kind == "all_reduce":
-            body = functools.partial(_reduce_body, op, scale, signature)
+            body = functools.partial(_reduce_body, op, scale)
         else:
             body = functools.partial(_gather_body, dim)
         mapped = jax.shard_map(body, mesh=mesh(), in_specs=(P(AXIS),) * n,
@@ -94,8 +99,10 @@ class _Program:
         sizes: dict = {}
         for shape, dtype in signature:
             sizes[dtype] = sizes.get(dtype, 0) + int(np.prod(shape))
-        self.what = f"{kind}({op!r}) of {n} tensor{'s' if n != 1 else ''} (" + ", ".join(
+        tensors = f"{n} tensor{'s' if n != 1 else ''} (" + ", ".join(
             f"{size} {dtype} elements" for dtype, size in sizes.items()) + ")"
+        self.what = f"{op!r} over {tensors}" if kind == "all_reduce" else \
+            f"{tensors} along dim {dim}"
 
     def run(self, locals_: list) -> list:
         divergence.before_collective(self.digest, f"xm.{self.kind}", self.what)
@@ -104,25 +111,39 @@ class _Program:
         return [o.addressable_data(0) for o in outs]
 
 
-def _reduce_body(op, scale, signature, *xs):
-    groups: dict = {}
+# Tensors with fewer elements than this travel concatenated (see [Note: one collective for many
+# tensors]); larger ones as operands of their own.
+BUCKET_ELEMENTS = 1 << 16
+
+
+def _reduce_body(op, scale, *xs):
+    """One variadic reduction: small tensors concatenated per dtype, large ones as they are."""
+    buckets: dict = {}
+    operands, places = [], []  # places[j]: operand j's tensor index, or a bucket's indices
     for i, x in enumerate(xs):
-        groups.setdefault(x.dtype, []).append(i)
-    outs = [None] * len(xs)
-    for dtype, members in groups.items():
-        flat = jnp.concatenate([xs[i].reshape(-1) for i in members]) if len(members) > 1 else \
-            xs[members[0]].reshape(-1)
-        if op in _PRIMITIVES:
-            reduced = _PRIMITIVES[op](flat)
+        if x.size < BUCKET_ELEMENTS:
+            buckets.setdefault(x.dtype, []).append(i)
         else:
-            reduced = _GATHERED[op](jax.lax.all_gather(flat, AXIS))
+            operands.append(x)
+            places.append(i)
+    for dtype, members in buckets.items():
+        operands.append(jnp.concatenate([xs[i].reshape(-1) for i in members]))
+        places.append(members)
+    if op in _PRIMITIVES:
+        reduced = _PRIMITIVES[op](tuple(operands))
+    else:
+        reduced = [_GATHERED[op](jax.lax.all_gather(x, AXIS)) for x in operands]
+    outs = [None] * len(xs)
+    for place, value in zip(places, reduced):
         if scale != 1.0:
-            reduced = reduced * jnp.asarray(scale, dtype)
+            value = value * jnp.asarray(scale, value.dtype)
+        if isinstance(place, int):
+            outs[place] = value
+            continue
         offset = 0
-        for i in members:
-            size = int(np.prod(xs[i].shape))
-            outs[i] = reduced[offset:offset + size].reshape(xs[i].shape)
-            offset += size
+        for i in place:
+            outs[i] = value[offset:offset + xs[i].size].reshape(xs[i].shape)
+            offset += xs[i].size
     return tuple(outs)
 
 
@@ -155,11 +176,9 @@ def all_reduce(op: str, tensors: list, scale: float) -> list:
 
 
 def all_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """The replicas' values of ``t`` concatenated along ``dim``, in replica order."""
+    """The replicas' values of ``t`` (at least 1-dim) concatenated along ``dim`` (>= 0), in
+    replica order."""
     local = _local_array(t)
-    if t.dim() == 0:
-        raise ValueError("xm.all_gather needs a tensor with at least one dimension; got a 0-dim "
-                         "tensor. Gather t.reshape(1) instead.")
     (result,) = _program("all_gather", "cat", 1.0, _signature([local]), dim).run([local])
     shape = list(t.shape)
     shape[dim] *= mesh().devices.size

@@ -49,12 +49,13 @@ REPLACEMENTS = {
 
 
 def _packages() -> set[str]:
+    """Packages on the way to an alias or a replacement note (made up as empty packages)."""
     out = set()
-    for name in ALIASES:
+    for name in (*ALIASES, *REPLACEMENTS):
         parts = name.split(".")
         for i in range(1, len(parts)):
             out.add(".".join(parts[:i]))
-    return out - set(ALIASES)
+    return out - set(ALIASES) - set(REPLACEMENTS)
 
 
 class CompatModuleNotFoundError(ModuleNotFoundError):

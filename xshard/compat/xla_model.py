@@ -118,10 +118,11 @@ def is_master_ordinal(local: bool = True) -> bool:
     return _world.is_master(local)
 
 
-def master_print(*args, fd=sys.stdout, local: bool = False, flush: bool = False) -> None:
-    """``print`` on the global master (``local=True``: on each host's master) only."""
+def master_print(*args, fd=None, local: bool = False, flush: bool = False) -> None:
+    """``print`` (to ``fd``, default ``sys.stdout``) on the global master (``local=True``: on
+    each host's master) only."""
     if is_master_ordinal(local=local):
-        print(*args, file=fd, flush=flush)
+        print(*args, file=sys.stdout if fd is None else fd, flush=flush)
 
 
 # -- steps -----------------------------------------------------------------------------------------
