@@ -198,7 +198,8 @@ class _Run:
         hash_seed = os.environ.get("PYTHONHASHSEED") or str(random.randrange(1, 2**32))
         out, err = _binary(sys.stdout), _binary(sys.stderr)
         for rank in range(args.nproc):
-            env = child_environment(os.environ if self.env is None else self.env, rank, args.nproc, coordinator_port, master_port,
+            base = os.environ if self.env is None else self.env
+            env = child_environment(base, rank, args.nproc, coordinator_port, master_port,
                                     args.cpu_devices, hash_seed)
             proc = subprocess.Popen(args.argv, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,

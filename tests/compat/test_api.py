@@ -188,6 +188,18 @@ def test_names_without_meaning_raise_with_the_replacement():
         xr.initialize_cache("/tmp/x", readonly=True)
 
 
+def test_initialize_cache_is_jax_compilation_cache(tmp_path):
+    from xshard.core import runtime
+
+    jax = runtime.jax_module()
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        xr.initialize_cache(str(tmp_path))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
 def test_parallel_loader_syncs_before_each_batch():
     batches = [torch.full((2,), float(k)) for k in range(3)]
     model_input = torch.ones(2).to(DEV)
@@ -248,6 +260,8 @@ def test_xla_fsdp_is_xshard_fsdp_over_every_device():
     assert xs.get_sharding_spec(dev[0].weight) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
     x = torch.randn(8, 8)
     torch.testing.assert_close(dev(x.to(DEV)).cpu(), cpu(x), rtol=1e-5, atol=1e-5)
+    half = xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(8, 4), compute_dtype=torch.bfloat16)
+    assert half(x.to(DEV)).dtype == torch.bfloat16 and half.weight.dtype == torch.float32
     with pytest.raises(TypeError, match="unknown option 'colour'"):
         xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(2, 2), colour=1)
     with pytest.raises(NotImplementedError, match="auto_wrapper_callable.*checkpoint_module"):

@@ -49,8 +49,6 @@ def test_missing_modules_name_the_replacement(hooked):
     with pytest.raises(ModuleNotFoundError, match="xla_backend is not provided by xshard.compat"
                        ".*xm.optimizer_step"):
         import torch_xla.distributed.xla_backend  # noqa: F401
-    with pytest.raises(ModuleNotFoundError, match="torch_xla.debug.metrics is not provided"):
-        import torch_xla.debug.metrics  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match=r"torch_xla.utils is not provided .*"
                        r"Provided: torch_xla, torch_xla.core.xla_model"):
         import torch_xla.utils.utils  # noqa: F401

@@ -56,6 +56,7 @@ def test_all_reduce_every_type(api):
         "scaled": ((f[0] + f[1]) * 0.5).tolist(),
         "scalar": 7.5,
         "list": [True, [[3.0, 3.0], [3.0, 3.0]], [0, 3, 6], 3.0],
+        "large": [[256, 257], [3.0]],
     }
     for res in results.values():
         assert res["all_reduce"] == want

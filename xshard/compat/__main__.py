@@ -13,7 +13,8 @@ import os
 import runpy
 import sys
 
-_USAGE = "usage: python -m xshard.compat script.py [args...]  |  python -m xshard.compat -m module [args...]"
+_USAGE = ("usage: python -m xshard.compat script.py [args...]  |  "
+          "python -m xshard.compat -m module [args...]")
 
 
 def main(argv: list[str]) -> int:

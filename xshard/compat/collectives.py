@@ -14,7 +14,7 @@ operand of a cross-process all-reduce costs about a millisecond of latency on CP
 under ``BUCKET_ELEMENTS`` are concatenated per dtype into one operand (as torch_xla's gradient
 buckets) and split back; larger ones travel as operands of their own, because XLA:CPU copies a
 reshaped matrix into a concatenation slowly (18 ms for a 1024 x 1024 float32 one beside a vector,
-against 0.5 ms flat; measured in benchmarks/bench_compat.py's notes). A BatchNorm CNN's 12
+against 0.5 ms when both are vectors, jitted on one CPU device). A BatchNorm CNN's 12
 gradients: one operand; a 4 x (1024 x 1024) MLP: 4 weights and one bucket of biases.
 Programs are cached by (op, scale, each tensor's shape and dtype), compared exactly.
 
@@ -168,11 +168,12 @@ def _signature(locals_: list) -> tuple:
 
 
 def all_reduce(op: str, tensors: list, scale: float) -> list:
-    """The reduction of each tensor across the replicas, times ``scale``: new device tensors."""
+    """The reduction of each tensor across the replicas, times ``scale``: data nodes (IR) with
+    the results, one per tensor."""
     locals_ = [_local_array(t) for t in tensors]
     program = _program("all_reduce", op, scale, _signature(locals_))
     results = program.run(locals_)
-    return [_tensor(r, t) for r, t in zip(results, tensors)]
+    return [_node(r, t.shape, t.dtype) for r, t in zip(results, tensors)]
 
 
 def all_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -182,13 +183,14 @@ def all_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
     (result,) = _program("all_gather", "cat", 1.0, _signature([local]), dim).run([local])
     shape = list(t.shape)
     shape[dim] *= mesh().devices.size
-    return api.new_tensor(api.data_node(result, tuple(shape), t.dtype))
+    return api.new_tensor(_node(result, shape, t.dtype))
 
 
-def _tensor(result, like: torch.Tensor) -> torch.Tensor:
-    if result.shape != tuple(like.shape):  # a 0-dim value travelled as shape (1,)
-        result = result.reshape(tuple(like.shape))
-    return api.new_tensor(api.data_node(result, tuple(like.shape), like.dtype))
+def _node(result, shape, dtype: torch.dtype):
+    shape = tuple(shape)
+    if result.shape != shape:  # a 0-dim value travelled as shape (1,)
+        result = result.reshape(shape)
+    return api.data_node(result, shape, dtype)
 
 
 # -- host objects ----------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ and an installed torch_xla is never touched. A name maps to the *same* module ob
 ``xshard.compat`` twin (``torch_xla.core.xla_model is xshard.compat.xla_model``), so there is one
 state however a module is imported.
 
-``ALIASES`` is the whole mapping. Packages on the way to a name (``torch_xla.core``,
-``torch_xla.distributed``) are made up as empty packages. Adding a module is one line here (and the
-module itself), e.g. ``"torch_xla.debug.profiler": "xshard.compat.profiler"``.
+``ALIASES`` is the whole mapping; ``REPLACEMENTS`` names what to use for torch_xla modules that
+have no counterpart. Packages on the way to a name (``torch_xla.core``, ``torch_xla.debug``) are
+made up as empty packages. Adding a module is one line in ``ALIASES``, e.g.
+``"torch_xla.debug.profiler": "xshard.profiler"`` (any module can stand for one).
 """
 
 from __future__ import annotations
@@ -41,10 +42,14 @@ REPLACEMENTS = {
         "SPMD program (xr.use_spmd(), xshard.spmd / xshard.fsdp)"),
     "torch_xla.core.xrt_run_server": "XRT is gone (PJRT replaced it); nothing needs starting",
     "torch_xla.core.xla_env_vars": "xshard reads PJRT_DEVICE and XSHARD_* variables only",
+    # Once xshard.profiler (the profiler branch) lands, these two lines become ALIASES entries:
+    #   "torch_xla.debug.profiler": "xshard.profiler",
+    #   "torch_xla.debug.metrics": "xshard.core.metrics",
     "torch_xla.debug.profiler": "not yet: use jax.profiler until xshard.profiler lands",
     "torch_xla.debug.metrics": "not yet: use xshard.metrics",
     "torch_xla.amp": "use torch.autocast('xshard', dtype=torch.bfloat16)",
-    "torch_xla.distributed.xla_multiprocessing_legacy": "use torch_xla.distributed.xla_multiprocessing",
+    "torch_xla.distributed.xla_multiprocessing_legacy":
+        "use torch_xla.distributed.xla_multiprocessing",
 }
 
 

@@ -90,7 +90,7 @@ def _check_device(device) -> None:
         raise ValueError(f"{device!r} is not an xshard device; pass xm.xla_device().")
 
 
-# -- who am I ----------------------------------------------------------------------------------------
+# -- who am I -------------------------------------------------------------------------------------
 
 
 def xrt_world_size(defval: int = 1) -> int:
@@ -257,9 +257,9 @@ def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, output
             return inputs
         results = collectives.all_reduce(reduce_type, tensors, scale)
         if single:
-            return results[0]
-        for t, r in zip(tensors, results):
-            api.write(t, api.value(r))
+            return api.new_tensor(results[0])
+        for t, node in zip(tensors, results):
+            api.write(t, node)
     return inputs
 
 

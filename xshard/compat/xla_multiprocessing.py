@@ -39,7 +39,8 @@ from xshard.compat import _world, hook
 from xshard.core import distributed, runtime
 
 _START_METHODS = ("spawn", "fork", "forkserver")
-_CHILD = "import sys; from xshard.compat import xla_multiprocessing as m; m._replica_main(sys.argv[1])"
+_CHILD = ("import sys; from xshard.compat import xla_multiprocessing as m; "
+          "m._replica_main(sys.argv[1])")
 
 
 class SpawnError(RuntimeError):

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 
-import numpy as np
 import torch
 
 import torch_xla
@@ -56,9 +55,12 @@ def _mp_fn(index, out_dir):
                          xm.all_reduce(getattr(xm, name), i.to(dev)).cpu().tolist()]
     reduced["scaled"] = xm.all_reduce(xm.REDUCE_SUM, f.to(dev), scale=0.5).cpu().tolist()
     reduced["scalar"] = xm.all_reduce(xm.REDUCE_SUM, torch.tensor(2.5 * r).to(dev)).item()
+    # small tensors of two dtypes (bucketed per dtype) and a large one (an operand of its own)
     in_place = [torch.full((2, 2), float(r)).to(dev), torch.arange(3).to(dev) * r,
-                torch.tensor(float(r)).to(dev)]
+                torch.tensor(float(r)).to(dev), torch.full((256, 257), float(r)).to(dev)]
     returned = xm.all_reduce(xm.REDUCE_SUM, in_place, scale=1.0)
+    large = in_place.pop()
+    reduced["large"] = [list(large.shape), large.unique().cpu().tolist()]
     reduced["list"] = [returned is in_place] + [t.cpu().tolist() for t in in_place]
     out["all_reduce"] = reduced
     # all_gather along dims 0 and 1.

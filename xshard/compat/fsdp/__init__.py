@@ -12,8 +12,8 @@ pinning) are accepted and have no effect; options with no counterpart raise.
 Example:
     >>> from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
     >>> from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-    >>> model = FSDP(model, auto_wrap_policy=partial(transformer_auto_wrap_policy,
-    ...                                              transformer_layer_cls={Block}))  # doctest: +SKIP
+    >>> policy = partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    >>> model = FSDP(model, auto_wrap_policy=policy)         # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class XlaFullyShardedDataParallel(metaclass=_FSDPType):
         fp32_reduce_scatter: reduce gradients in float32 when ``compute_dtype`` is lower.
 
     Example:
-        >>> model = XlaFullyShardedDataParallel(model, compute_dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> model = XlaFullyShardedDataParallel(model,
+        ...                                     compute_dtype=torch.bfloat16)  # doctest: +SKIP
     """
 
     def __new__(cls, module, *, reshard_after_forward: bool = True,
