@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 TIMEOUT_EXIT = 124
 _POLL_S = 0.05
@@ -183,19 +184,22 @@ def _say(message: str) -> None:
 class _Run:
     """The started processes, their output pumps, and how they ended."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, env: dict | None = None):
         self.args = args
+        self.env = env
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.lock = threading.Lock()
+        self.failed_rank: int | None = None
 
     def start(self) -> None:
         args = self.args
         coordinator_port, master_port = free_ports(2)
         hash_seed = os.environ.get("PYTHONHASHSEED") or str(random.randrange(1, 2**32))
-        out, err = sys.stdout.buffer, sys.stderr.buffer
+        out, err = _binary(sys.stdout), _binary(sys.stderr)
         for rank in range(args.nproc):
-            env = child_environment(os.environ, rank, args.nproc, coordinator_port, master_port,
+            base = os.environ if self.env is None else self.env
+            env = child_environment(base, rank, args.nproc, coordinator_port, master_port,
                                     args.cpu_devices, hash_seed)
             proc = subprocess.Popen(args.argv, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
@@ -240,6 +244,7 @@ class _Run:
         if first is None:
             return 0
         rank, code = first
+        self.failed_rank = rank
         _say(f"rank {rank} failed first, with exit code {code}")
         return code
 
@@ -262,6 +267,74 @@ class _Run:
             pump.join(timeout=2.0)
 
 
+def _binary(stream):
+    """A binary stream writing to ``stream`` (its buffer, or the stream itself when it has none)."""
+    buffer = getattr(stream, "buffer", None)
+    if buffer is not None:
+        return buffer
+
+    class _Text:
+        def write(self, data: bytes) -> None:
+            stream.write(data.decode(errors="replace"))
+
+        def flush(self) -> None:
+            stream.flush()
+
+    return _Text()
+
+
+class LaunchResult(NamedTuple):
+    """How a run started by ``run()`` ended: the launcher's exit code (0, the first failing
+    process's code, or 124 on timeout) and the rank that failed first (None if none did)."""
+
+    exit_code: int
+    failed_rank: int | None
+
+
+def run(argv: list[str], nproc: int, *, cpu_devices: int | None = None,
+        timeout: float | None = None, grace: float = 5.0, env: dict | None = None) -> LaunchResult:
+    """Runs ``argv`` as ``nproc`` processes of one run and waits for them (what ``main`` does
+    after parsing its command line; ``xshard.compat``'s ``xmp.spawn`` calls it).
+
+    Args:
+        argv: the command each process runs (``[sys.executable, script, ...]``).
+        nproc: how many processes.
+        cpu_devices: virtual CPU devices per process (and ``PJRT_DEVICE=CPU`` unless set).
+        timeout: end every process after this many seconds (exit code 124).
+        grace: seconds the others get to end after one process fails.
+        env: the environment the processes' variables are added to (default ``os.environ``).
+
+    Returns:
+        A ``LaunchResult``.
+
+    Example:
+        >>> run([sys.executable, "train.py"], 2, cpu_devices=4)   # doctest: +SKIP
+        LaunchResult(exit_code=0, failed_rank=None)
+    """
+    args = argparse.Namespace(argv=list(argv), nproc=nproc, cpu_devices=cpu_devices,
+                              timeout=timeout, grace=grace)
+    started = _Run(args, env)
+
+    def forward(signum, frame):
+        _say(f"received signal {signum}; ending every process")
+        started.stop()
+        raise SystemExit(128 + signum)
+
+    # Signal handlers can only be set from the main thread; elsewhere the children still end with
+    # this process (PR_SET_PDEATHSIG).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if main_thread else {}
+    try:
+        started.start()
+        code = started.wait()
+        return LaunchResult(code, started.failed_rank)
+    finally:
+        started.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the launcher; returns its exit code (see the module docstring)."""
     try:
@@ -269,21 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         _say(str(e))
         return 2
-    run = _Run(args)
-
-    def forward(signum, frame):
-        _say(f"received signal {signum}; ending every process")
-        run.stop()
-        raise SystemExit(128 + signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        run.start()
-        return run.wait()
-    finally:
-        run.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    return run(args.argv, args.nproc, cpu_devices=args.cpu_devices, timeout=args.timeout,
+               grace=args.grace).exit_code
 
 
 if __name__ == "__main__":

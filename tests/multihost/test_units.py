@@ -239,3 +239,14 @@ def test_minibatch_refuses_a_mesh_without_local_devices(two_process_ids):
     with pytest.raises(RuntimeError, match=r"has none of this process's devices \(positions "
                                            r"\[4, 5, 6, 7\]\)"):
         loader._upload_minibatch(torch.zeros(4, 2), spec, spec.annotation(2))
+
+
+def test_the_world_is_chosen_before_the_devices_are_used():
+    with pytest.raises(ValueError, match="world='galaxy' is not a world xshard knows; valid "
+                                         "values: 'global'"):
+        xshard.initialize(world="galaxy")
+    xshard.device_count()  # the devices are in use in this process
+    with pytest.raises(RuntimeError, match="the local world must be chosen before the devices "
+                                           "are first used"):
+        runtime.use_local_world()
+    assert not runtime.local_world()

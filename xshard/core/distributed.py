@@ -251,7 +251,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                process_id: int | None = None, *, local_device_ids=None,
                torch_distributed: bool = True, timeout: float | None = None,
                heartbeat_timeout: float | None = None, shutdown_timeout: float | None = None,
-               **jax_kwargs) -> None:
+               world: str = "global", **jax_kwargs) -> None:
     """Joins a multi-process run, or does nothing in a single process.
 
     The settings come from, in order: the arguments; ``python -m xshard.launch``'s variables
@@ -278,6 +278,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         heartbeat_timeout: seconds without a heartbeat before JAX declares a process dead
             (default ``XSHARD_HEARTBEAT_TIMEOUT``, 60).
         shutdown_timeout: seconds JAX waits for the others at exit (``XSHARD_SHUTDOWN_TIMEOUT``, 60).
+        world: ``"global"`` (one program over every process's devices) or ``"local"``: each
+            process is a world of its own whose tensors live on its local devices, and processes
+            meet only in explicit collectives (xshard.compat's ``xmp.spawn`` replicas; see [Note:
+            the local world] in ``xshard.core.runtime``).
         **jax_kwargs: passed on to ``jax.distributed.initialize``.
 
     Raises:
@@ -290,6 +294,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         >>> xshard.process_count(), xshard.process_index()   # doctest: +SKIP
         (2, 1)
     """
+    if world not in ("global", "local"):
+        raise ValueError(f"world={world!r} is not a world xshard knows; valid values: 'global' "
+                         f"(one program over every process's devices) or 'local' (each process "
+                         f"its own world).")
     settings = runtime.distributed_settings()
     plan = _resolve(coordinator_address, num_processes, process_id, settings)
     if _State.joined is not None:
@@ -305,6 +313,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         raise RuntimeError(
             "xshard.initialize() must run before the devices are first used (a tensor on "
             "xshard.device(), a Mesh, xshard.device_count()); call it at the top of the program.")
+    if world == "local":
+        runtime.use_local_world()
     init_timeout = float(timeout if timeout is not None else settings.init_timeout)
     if plan.store is not None:
         _State.store = _rendezvous(plan, init_timeout)
@@ -329,8 +339,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     _State.num_processes = jax.process_count()
     _State.joined = plan.source
     global ACTIVE
-    ACTIVE = _State.num_processes > 1
-    if not ACTIVE:
+    ACTIVE = _State.num_processes > 1 and world == "global"
+    if _State.num_processes == 1:
         return
     if torch_distributed:
         _init_torch_distributed(init_timeout)

@@ -142,6 +142,12 @@ def _enabled() -> bool:
     return distributed.ACTIVE and runtime.distributed_settings().check != "off"
 
 
+def _collectives_enabled() -> bool:
+    # Also in the local world (xshard.compat's replicas): their syncs are their own, but the
+    # collectives they make together are checked (see [Note: the local world] in core.runtime).
+    return distributed.num_processes() > 1 and runtime.distributed_settings().check != "off"
+
+
 # -- uploads ----------------------------------------------------------------------------------------
 
 
@@ -221,7 +227,7 @@ def nothing_to_run() -> None:
 
 def before_collective(digest: str, kind: str, what: str) -> None:
     """Before a collective outside a sync (the gather of a read): the same check."""
-    if not _enabled():
+    if not _collectives_enabled():
         return
     entry = {"p": digest, "k": kind, "o": 1, "w": what}
     _check(entry, lambda: {"inputs": [], "ops": [f"{kind}: {what}"]}, rebuild=False)
@@ -230,7 +236,7 @@ def before_collective(digest: str, kind: str, what: str) -> None:
 def exchange(kind: str, payload: str) -> list[str]:
     """Every process's ``payload`` for a check named ``kind`` (process order). Every process must
     call it at the same point; what it does with differing payloads is the caller's business."""
-    if not _enabled():
+    if not _collectives_enabled():
         return [payload]
     entries = _check({"p": f"exchange: {kind}", "k": kind, "o": 0, "x": payload},
                      lambda: {"inputs": [], "ops": [kind]}, rebuild=False)

@@ -62,6 +62,13 @@ def _settings() -> tuple[str | None, int]:
     return platform, cpu_devices
 
 
+def configured_platform() -> tuple[str | None, int]:
+    """What the environment asks for, read without starting JAX's backends: the JAX platform
+    named by ``PJRT_DEVICE`` (``'cpu'``, ``'cuda'``, ``'tpu'``; None: the best available) and the
+    number of virtual CPU devices."""
+    return _settings()
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedSettings:
     """The multi-process configuration found in the environment (see the module docstring)."""
@@ -184,15 +191,42 @@ def jax_module():
     return _jax()
 
 
+# [Note: the local world]
+# By default xshard's world is every device of every process: one SPMD program spans them all.
+# xshard.compat's replica processes (xmp.spawn) are instead each a world of their own, as in
+# PyTorch/XLA's multi-process mode: a process's tensors live on its local devices only, its programs
+# run without the other processes, and the processes meet only in explicit collectives (built over
+# jax.devices(), which still lists every process's devices). ``use_local_world()`` chooses this
+# before the devices are first used (``xshard.initialize(world="local")`` calls it).
+_LOCAL_WORLD = {"on": False}
+
+
+def use_local_world() -> None:
+    """Makes this process's local devices the whole of xshard's world (see [Note: the local
+    world]). Call before the devices are first used."""
+    if devices.cache_info().currsize and not _LOCAL_WORLD["on"]:
+        raise RuntimeError("the local world must be chosen before the devices are first used; "
+                           "call xshard.initialize(world='local') at the top of the program.")
+    _LOCAL_WORLD["on"] = True
+
+
+def local_world() -> bool:
+    """Whether xshard's world is this process's local devices only (see [Note: the local
+    world])."""
+    return _LOCAL_WORLD["on"]
+
+
 @functools.cache
 def devices() -> tuple:
-    """All devices of the platform in use, across every process, ordered by id.
+    """All devices of the platform in use, across every process, ordered by id (in the local
+    world: this process's devices only).
 
     Returns:
         A tuple of ``jax.Device``. Mesh device ids index into it.
     """
     jax = _jax()
-    return tuple(sorted(jax.devices(), key=lambda d: d.id))
+    found = jax.local_devices() if _LOCAL_WORLD["on"] else jax.devices()
+    return tuple(sorted(found, key=lambda d: d.id))
 
 
 @functools.cache

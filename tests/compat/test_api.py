@@ -1,0 +1,272 @@
+"""xm / xr / pl / xmp / torch_xla / fsdp names in one program (this 8-device test process, world
+size 1), against eager CPU torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xshard
+import xshard.compat as torch_xla
+from xshard.compat import _world
+from xshard.compat import fsdp as xfsdp
+from xshard.compat import parallel_loader as pl
+from xshard.compat import runtime as xr
+from xshard.compat import xla_model as xm
+from xshard.compat import xla_multiprocessing as xmp
+from xshard.core import api
+
+DEV = xshard.device()
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    saved = xm.get_rng_state()
+    yield
+    _world._Mode.spmd = False
+    xm._Closures.queue.clear()
+    xm.set_rng_state(saved)
+
+
+def test_devices_and_ordinals():
+    assert xm.xla_device() == xm.xla_device(0) == torch_xla.device() == DEV
+    assert xm.get_xla_supported_devices() == ["xshard:0"] and torch_xla.devices() == [DEV]
+    assert xm.xla_device_hw(DEV) == xr.device_type() == "CPU"
+    assert (xm.xrt_world_size(), xm.get_ordinal(), xm.get_local_ordinal()) == (1, 0, 0)
+    assert xm.is_master_ordinal() and xm.is_master_ordinal(local=False)
+    assert (xr.world_size(), xr.global_ordinal(), xr.local_ordinal()) == (1, 0, 0)
+    assert (xr.process_index(), xr.process_count(), xr.host_index()) == (0, 1, 0)
+    assert xr.global_runtime_device_count() == xr.global_device_count() == 8
+    assert xr.addressable_runtime_device_count() == xr.local_device_count() == 8
+    assert xr.addressable_device_count() == torch_xla.device_count() == 1
+    assert xr.using_pjrt()
+    with pytest.raises(ValueError, match=r"xm.xla_device\(n=1\): xshard has one logical device"):
+        xm.xla_device(1)
+    with pytest.raises(ValueError, match="this process's devices are CPU"):
+        xm.xla_device(devkind="TPU")
+    with pytest.raises(ValueError, match="is not an xshard device"):
+        xm.xla_device_hw("cpu")
+
+
+def test_use_spmd_is_one_program():
+    assert not xr.is_spmd()
+    xr.use_spmd()
+    assert xr.is_spmd() and xr.world_size() == 1
+    with pytest.raises(ValueError, match=r"xmp.spawn\(nprocs=2\) after xr.use_spmd\(\)"):
+        xmp.spawn(print, nprocs=2)
+    with pytest.raises(NotImplementedError, match="automatic sharding"):
+        xr.use_spmd(auto=True)
+
+
+def test_master_print(capsys):
+    xm.master_print("hello", 3, flush=True)
+    assert capsys.readouterr().out == "hello 3\n"
+
+
+def test_mark_step_runs_the_step_then_closures_in_order():
+    x = torch.arange(4.0).to(DEV) * 2
+    seen = []
+    xm.add_step_closure(lambda t: seen.append(("a", api.settled(t), t.cpu().tolist())), args=(x,))
+    xm.add_step_closure(lambda: seen.append(("b",)), run_async=True)
+    assert seen == [] and not api.settled(x)
+    torch_xla.sync()
+    assert seen == [("a", True, [0.0, 2.0, 4.0, 6.0]), ("b",)]
+    xm.mark_step()
+    assert len(seen) == 2  # closures run once
+    with pytest.raises(TypeError, match="add_step_closure needs a callable"):
+        xm.add_step_closure(3)
+    with torch_xla.step():
+        y = x + 1
+    assert api.settled(y)
+    xm.wait_device_ops()
+
+
+def test_optimizer_step_is_the_step_with_one_replica():
+    torch.manual_seed(0)
+    cpu = torch.nn.Linear(4, 3)
+    dev = torch.nn.Linear(4, 3)
+    dev.load_state_dict(cpu.state_dict())
+    dev.to(DEV)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (cpu, dev)]
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        for model, opt, data in ((cpu, opts[0], x), (dev, opts[1], x.to(DEV))):
+            opt.zero_grad()
+            model(data).square().sum().backward()
+        opts[0].step()
+        assert xm.optimizer_step(opts[1], barrier=True) is None
+        assert api.settled(dev.weight)  # barrier=True ended the step
+    for name, value in cpu.state_dict().items():
+        torch.testing.assert_close(dev.state_dict()[name].cpu(), value)
+
+
+def test_all_reduce_and_all_gather_with_one_replica():
+    t = torch.tensor([1.0, 2.0]).to(DEV)
+    out = xm.all_reduce(xm.REDUCE_SUM, t)
+    assert out is not t and out.cpu().tolist() == [1.0, 2.0]
+    assert xm.all_reduce(xm.REDUCE_MAX, t, scale=0.5).cpu().tolist() == [0.5, 1.0]
+    items = [torch.ones(2).to(DEV), torch.full((3,), 4.0).to(DEV)]
+    assert xm.all_reduce(xm.REDUCE_SUM, items, scale=0.25) is items
+    assert [i.cpu().tolist() for i in items] == [[0.25, 0.25], [1.0, 1.0, 1.0]]
+    assert xm.all_gather(t).cpu().tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match=r"reduce_type='avg' is not a reduction xm knows"):
+        xm.all_reduce("avg", t)
+    with pytest.raises(ValueError, match="a scale applies to floating-point tensors only"):
+        xm.all_reduce(xm.REDUCE_SUM, torch.ones(2, dtype=torch.int64).to(DEV), scale=0.5)
+    with pytest.raises(TypeError, match=r"input 0 is a Tensor on cpu, not an xshard tensor"):
+        xm.all_reduce(xm.REDUCE_SUM, torch.ones(2))
+    with pytest.raises(NotImplementedError, match="only one group of all 1 replicas"):
+        xm.all_reduce(xm.REDUCE_SUM, t, groups=[[0], [1]])
+    with pytest.raises(ValueError, match="at least one dimension"):
+        xm.all_gather(torch.tensor(1.0).to(DEV))
+    with pytest.raises(ValueError, match="dim=2 is out of range"):
+        xm.all_gather(t, dim=2)
+
+
+def test_rendezvous_mesh_reduce_do_on_ordinals():
+    assert xm.rendezvous("x", b"abc") == [b"abc"]
+    got = xm.mesh_reduce("acc", {"v": torch.tensor([2.0]).to(DEV)}, lambda xs: xs)
+    assert got[0]["v"].device.type == "cpu" and got[0]["v"].tolist() == [2.0]
+    assert xm.do_on_ordinals(lambda a: a + 1, (1,)) == 2
+    assert xm.do_on_ordinals(lambda: 1, ordinals=(5,)) is None
+    with pytest.raises(TypeError, match="payload must be bytes"):
+        xm.rendezvous("x", "text")
+    assert xmp.MpSerialExecutor().run(lambda: 7) == 7
+    model = torch.nn.Linear(2, 2)
+    assert xmp.MpModelWrapper(model).to(DEV).weight.device == DEV
+
+
+def test_save_writes_cpu_tensors(tmp_path):
+    param = torch.nn.Parameter(torch.randn(3).to(DEV))
+    data = {"p": param, "list": [torch.ones(2).to(DEV), "text", 4],
+            "tuple": (torch.zeros(1).to(DEV),), "cpu": torch.ones(1)}
+    xm.save(data, tmp_path / "a.pt")
+    loaded = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert isinstance(loaded["p"], torch.nn.Parameter) and loaded["p"].device.type == "cpu"
+    assert loaded["p"].tolist() == param.cpu().tolist()
+    assert loaded["list"][0].device.type == "cpu" and loaded["list"][1:] == ["text", 4]
+    assert isinstance(loaded["tuple"], tuple) and loaded["cpu"].tolist() == [1.0]
+    xm.save({"x": 1}, tmp_path / "b.pt", master_only=False)
+    assert torch.load(tmp_path / "b.pt") == {"x": 1}
+
+
+def test_rng_state_round_trip():
+    xm.set_rng_state(123)
+    assert xm.get_rng_state() == 123
+    a = torch.rand(4, device=DEV).cpu()
+    state = xm.get_rng_state()
+    assert state == 123 + (1 << 64)  # one random op drawn since seeding
+    b = torch.rand(4, device=DEV).cpu()
+    xm.set_rng_state(state)
+    assert torch.equal(torch.rand(4, device=DEV).cpu(), b)
+    xm.set_rng_state(123)
+    assert torch.equal(torch.rand(4, device=DEV).cpu(), a)
+    torch_xla.manual_seed(123)
+    assert torch.equal(torch.rand(4, device=DEV).cpu(), a)
+    with pytest.raises(ValueError, match="non-negative int seed"):
+        xm.set_rng_state(-1)
+
+
+def test_rate_tracker():
+    tracker = xm.RateTracker(smooth_factor=0.5)
+    tracker.add(100)
+    assert tracker.rate() > 0 and tracker.global_rate() > 0
+
+
+def test_names_without_meaning_raise_with_the_replacement():
+    with pytest.raises(AttributeError, match="set_replication has no counterpart.*xmp.spawn"):
+        xm.set_replication
+    with pytest.raises(AttributeError, match="reduce_scatter .*xm.all_reduce, then take"):
+        xm.reduce_scatter
+    with pytest.raises(AttributeError, match="has no attribute 'nonexistent'"):
+        xm.nonexistent
+    with pytest.raises(AttributeError, match="_XLAC .* does not exist"):
+        torch_xla._XLAC
+    with pytest.raises(AttributeError, match="set PJRT_DEVICE before the process starts"):
+        xr.set_device_type
+    with pytest.raises(NotImplementedError, match="readonly=True"):
+        xr.initialize_cache("/tmp/x", readonly=True)
+
+
+def test_initialize_cache_is_jax_compilation_cache(tmp_path):
+    from xshard.core import runtime
+
+    jax = runtime.jax_module()
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        xr.initialize_cache(str(tmp_path))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_parallel_loader_syncs_before_each_batch():
+    batches = [torch.full((2,), float(k)) for k in range(3)]
+    model_input = torch.ones(2).to(DEV)
+    xshard.sync()
+    before = xshard.metrics.snapshot()["executions"]
+    loader = pl.ParallelLoader(batches, [DEV]).per_device_loader(DEV)
+    assert len(loader) == 3
+    pending = []
+    for batch in loader:
+        assert batch.device == DEV
+        pending.append(model_input * batch)  # left pending: the loader runs it before the next
+        assert [api.settled(p) for p in pending[:-1]] == [True] * (len(pending) - 1)
+        assert not api.settled(pending[-1])
+    assert api.settled(pending[-1])  # and once more when the data runs out
+    assert xshard.metrics.snapshot()["executions"] - before == 3
+    assert list(loader) == []  # one pass, as torch_xla's
+    assert [p.cpu().tolist() for p in pending] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+    mp = pl.MpDeviceLoader(batches, DEV, batches_per_execution=2)
+    assert len(mp) == 3
+    assert [b.cpu().tolist() for b in mp] == [b.tolist() for b in batches]
+    assert len(list(mp)) == 3  # a fresh pass each time
+    with pytest.raises(ValueError, match="xshard has one device per process"):
+        pl.ParallelLoader(batches, [DEV, DEV])
+    with pytest.raises(ValueError, match="is not this process's device"):
+        pl.MpDeviceLoader(batches, "cpu")
+    with pytest.raises(ValueError, match="batches_per_execution must be a positive int"):
+        pl.ParallelLoader(batches, [DEV], batches_per_execution=0)
+
+
+def test_spawn_in_process_and_its_argument_errors():
+    assert xmp.spawn(lambda i, a: (i, a, xm.xrt_world_size()), args=(5,), nprocs=1) == (0, 5, 1)
+    assert torch_xla.launch(lambda i: i + 10, debug_single_process=True) == 10
+    with pytest.raises(TypeError, match="sends fn and args to new processes by pickling"):
+        xmp.spawn(lambda i: i, nprocs=2)
+    with pytest.raises(ValueError, match=r"nprocs=0\): nprocs must be a positive int"):
+        xmp.spawn(print, nprocs=0)
+    with pytest.raises(TypeError, match=r"args=...\) must be a tuple"):
+        xmp.spawn(print, args=5, nprocs=2)
+    with pytest.raises(ValueError, match=r"join=False\) is not supported"):
+        xmp.spawn(print, nprocs=2, join=False)
+    with pytest.raises(ValueError, match="start_method='thread'"):
+        xmp.spawn(print, nprocs=2, start_method="thread")
+
+
+def test_xla_fsdp_is_xshard_fsdp_over_every_device():
+    import xshard.spmd as xs
+    from xshard.fsdp import FSDP
+
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    dev = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    dev.load_state_dict(cpu.state_dict())
+    wrapped = xfsdp.XlaFullyShardedDataParallel(
+        dev, flatten_parameters=True, pin_layout_in_collective_ops=False,
+        auto_wrap_policy=xfsdp.always_wrap_policy)
+    assert wrapped is dev and isinstance(dev, FSDP)
+    assert isinstance(dev, xfsdp.XlaFullyShardedDataParallel)
+    assert xs.get_sharding_spec(dev[0].weight) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    x = torch.randn(8, 8)
+    torch.testing.assert_close(dev(x.to(DEV)).cpu(), cpu(x), rtol=1e-5, atol=1e-5)
+    half = xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(8, 4), compute_dtype=torch.bfloat16)
+    assert half(x.to(DEV)).dtype == torch.bfloat16 and half.weight.dtype == torch.float32
+    with pytest.raises(TypeError, match="unknown option 'colour'"):
+        xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(2, 2), colour=1)
+    with pytest.raises(NotImplementedError, match="auto_wrapper_callable.*checkpoint_module"):
+        xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(2, 2), auto_wrapper_callable=print)
+    with pytest.raises(NotImplementedError, match="nested wrapping"):
+        xfsdp.XlaFullyShardedDataParallel(torch.nn.Sequential(dev))
+    with pytest.raises(NotImplementedError, match="already holds whole tensors"):
+        xfsdp.consolidate_sharded_model_checkpoints("prefix")

@@ -1,0 +1,116 @@
+"""``torch_xla.distributed.fsdp`` on xshard: ``XlaFullyShardedDataParallel`` is xshard's FSDP.
+
+torch_xla's FSDP (v1) shards parameters over the processes of ``xmp.spawn`` and reduce-scatters
+gradients between them. xshard's FSDP shards them over the devices of one program, with the same
+numbers (the gradient of the global batch, averaged), so a script that wraps its model runs as one
+program: plain, ``nprocs=1``, or after ``xr.use_spmd()``. Under ``xmp.spawn`` replicas, where
+each process is a world of one device, it raises and says so.
+
+Options that only tune torch_xla's implementation (flattening, barriers, bucket sizes, layout
+pinning) are accepted and have no effect; options with no counterpart raise.
+
+Example:
+    >>> from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+    >>> from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    >>> policy = partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    >>> model = FSDP(model, auto_wrap_policy=policy)         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xshard.compat import _world
+from xshard.fsdp import FSDP, MixedPrecision, checkpoint_module  # noqa: F401
+from xshard.compat.fsdp.wrap import (always_wrap_policy, lambda_auto_wrap_policy,  # noqa: F401
+                                     size_based_auto_wrap_policy, transformer_auto_wrap_policy)
+
+# torch_xla options that tune its own implementation: no effect on the numbers, none here.
+_IGNORED = {
+    "flatten_parameters", "execute_sharding_on_init", "optimization_barrier_in_forward",
+    "optimization_barrier_in_backward", "disable_reshard_on_root", "pin_layout_in_collective_ops",
+    "reduce_scatter_bucket_size_mb", "coalesce_all_gather_ops", "_shard_size_multiple",
+    "_use_xla_patched_linear", "sync_on_finalization", "mark_step_on_finalization",
+}
+_REFUSED = {
+    "auto_wrapper_callable": "units are chosen by auto_wrap_policy; for activation checkpointing "
+                             "wrap the layers with checkpoint_module(layer) before FSDP",
+    "param_init_fn": "materialise the parameters before wrapping",
+    "sharding_groups": "shard over a mesh axis instead: xshard.fsdp.FSDP(module, mesh=...)",
+    "sharding_rank": "shard over a mesh axis instead: xshard.fsdp.FSDP(module, mesh=...)",
+    "sharding_world_size": "shard over a mesh axis instead: xshard.fsdp.FSDP(module, mesh=...)",
+}
+
+
+class _FSDPType(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, FSDP)
+
+
+class XlaFullyShardedDataParallel(metaclass=_FSDPType):
+    """``XlaFullyShardedDataParallel(module, **torch_xla_options)``: xshard's ``FSDP`` over every
+    device of the program (see the module docstring). Returns the wrapped module.
+
+    Args:
+        module: the model.
+        reshard_after_forward, shard_param_on_dim_0, auto_wrap_policy: as in torch_xla.
+        compute_dtype: dtype of the computation (default float32; e.g. torch.bfloat16).
+        buffer_dtype: dtype of the buffers (default ``compute_dtype``).
+        fp32_reduce_scatter: reduce gradients in float32 when ``compute_dtype`` is lower.
+
+    Example:
+        >>> model = XlaFullyShardedDataParallel(model,
+        ...                                     compute_dtype=torch.bfloat16)  # doctest: +SKIP
+    """
+
+    def __new__(cls, module, *, reshard_after_forward: bool = True,
+                shard_param_on_dim_0: bool = False, auto_wrap_policy=None, compute_dtype=None,
+                buffer_dtype=None, fp32_reduce_scatter: bool = False, **options):
+        for name, value in options.items():
+            if name in _REFUSED:
+                if value is not None:
+                    raise NotImplementedError(f"XlaFullyShardedDataParallel({name}=...) has no "
+                                              f"counterpart here: {_REFUSED[name]}.")
+            elif name not in _IGNORED and not name.startswith("_debug"):
+                raise TypeError(f"XlaFullyShardedDataParallel got an unknown option {name!r}.")
+        if _world.replicas():
+            raise NotImplementedError(
+                f"XlaFullyShardedDataParallel in a process of xmp.spawn ({_world.world_size()} "
+                f"replicas): here each replica is a world of one device, and xshard's FSDP shards "
+                f"over the devices of one program. Run the script as one program over every "
+                f"device (nprocs=1 or xr.use_spmd()), where it is xshard's FSDP with the same "
+                f"numbers; or train the replicas unsharded with xm.optimizer_step.")
+        if any(isinstance(m, FSDP) for m in module.modules()):
+            raise NotImplementedError(
+                "XlaFullyShardedDataParallel around modules already wrapped (nested wrapping) is "
+                "not supported; wrap the root once and choose the inner units with "
+                "auto_wrap_policy, e.g. partial(lambda_auto_wrap_policy, lambda_fn=lambda m: "
+                "isinstance(m, Block)).")
+        mixed = None
+        if compute_dtype not in (None, torch.float32):
+            mixed = MixedPrecision(param_dtype=compute_dtype,
+                                   reduce_dtype=torch.float32 if fp32_reduce_scatter else None,
+                                   buffer_dtype=buffer_dtype or compute_dtype)
+        elif buffer_dtype not in (None, torch.float32):
+            mixed = MixedPrecision(buffer_dtype=buffer_dtype)
+        return FSDP(module, auto_wrap_policy=auto_wrap_policy,
+                    reshard_after_forward=reshard_after_forward,
+                    shard_param_on_dim_0=shard_param_on_dim_0, mixed_precision=mixed)
+
+
+def consolidate_sharded_state_dicts(*args, **kwargs):
+    raise NotImplementedError(
+        "consolidate_sharded_state_dicts: xshard's FSDP state_dict() already holds whole "
+        "tensors; save it with xm.save(model.state_dict(), path).")
+
+
+def consolidate_sharded_model_checkpoints(*args, **kwargs):
+    raise NotImplementedError(
+        "consolidate_sharded_model_checkpoints: xshard's FSDP state_dict() already holds whole "
+        "tensors; save it with xm.save(model.state_dict(), path), or use xshard.checkpoint.")
+
+
+__all__ = ["XlaFullyShardedDataParallel", "checkpoint_module", "always_wrap_policy",
+           "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
+           "transformer_auto_wrap_policy", "consolidate_sharded_state_dicts",
+           "consolidate_sharded_model_checkpoints"]
