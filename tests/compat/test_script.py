@@ -73,6 +73,12 @@ def test_two_replicas_equal_the_cpu_replicas(two):
     printed = re.findall(r"^\[(\d)\] Finished training epoch (\d)$", run.stdout, re.M)
     assert printed == [("0", "1"), ("0", "2")], run.stdout
     assert re.findall(r"^\[(\d)\] Accuracy: ", run.stdout, re.M) == ["0"]
+    # torch_xla.debug.metrics and .profiler work inside the replicas: the metrics report comes
+    # from replica 0, each replica compiled its steps (a steady step reuses its executables).
+    assert re.search(r"^\[0\] Metric: CompileTime", run.stdout, re.M), run.stdout
+    for res in results.values():
+        assert "CompileTime" in res["metrics"] and "ExecuteTime" in res["metrics"]
+        assert 0 < res["compiles"] < 20
 
 
 def test_xm_save_loads_without_xshard(two):

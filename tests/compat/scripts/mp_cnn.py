@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import torch_xla  # noqa: F401
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.parallel_loader as pl
+import torch_xla.debug.metrics as met
+import torch_xla.debug.profiler as xp
 import torch_xla.distributed.xla_multiprocessing as xmp
 
 
@@ -100,11 +102,13 @@ def train_cnn(flags, index):
         tracker = xm.RateTracker()
         model.train()
         for step, (data, target) in enumerate(loader):
-            optimizer.zero_grad()
-            output = model(data)
-            loss = loss_fn(output, target)
-            loss.backward()
-            xm.optimizer_step(optimizer)
+            with xp.StepTrace("train_loop", step_num=step):
+                with xp.Trace("build_graph"):
+                    optimizer.zero_grad()
+                    output = model(data)
+                    loss = loss_fn(output, target)
+                    loss.backward()
+                xm.optimizer_step(optimizer)
             tracker.add(flags.batch_size)
             if step % flags.log_steps == 0:
                 xm.add_step_closure(_train_update, args=(step, loss, tracker, epoch))
@@ -133,13 +137,15 @@ def train_cnn(flags, index):
     accuracy = test_loop_fn(pl.MpDeviceLoader(test_loader, device))
     accuracy_mean = xm.mesh_reduce("test_accuracy", accuracy, np.mean)
     xm.master_print(f"Accuracy: {accuracy_mean:.2f}")
+    xm.master_print(met.short_metrics_report())
 
     xm.save(model.state_dict(), os.path.join(flags.out, "model.pt"))
     torch.save({k: v.cpu() for k, v in model.state_dict().items()},
                os.path.join(flags.out, f"replica{index}.pt"))
     result = {"index": index, "world": xm.xrt_world_size(), "ordinal": xm.get_ordinal(),
               "master": xm.is_master_ordinal(), "losses": losses, "accuracy": accuracy,
-              "accuracy_mean": accuracy_mean, "lengths": lengths}
+              "accuracy_mean": accuracy_mean, "lengths": lengths,
+              "compiles": met.metric_data("CompileTime")[0], "metrics": met.metric_names()}
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
 
