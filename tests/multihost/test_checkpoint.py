@@ -14,8 +14,8 @@ import torch
 
 from tests.checkpoint.checkpoint_testing import run_script
 
-# About 5 minutes on a 2-core machine (7 launches of 2 processes): slow.
-pytestmark = [pytest.mark.slow,
+# Two launches of 2 processes, each running several modes, and two single-process runs.
+pytestmark = [pytest.mark.multihost,
               pytest.mark.skipif(importlib.util.find_spec("xshard.launch") is None,
                                  reason="needs the multi-process launcher (python -m xshard.launch)")]
 
@@ -33,11 +33,11 @@ def results(proc: subprocess.CompletedProcess) -> list[dict]:
     return sorted(found, key=lambda r: r["rank"])
 
 
-def launch(mode: str, directory: Path) -> list[dict]:
-    """The script on 2 processes x 4 devices."""
+def launch(modes: str, directory: Path) -> list[dict]:
+    """The script on 2 processes x 4 devices, running ``modes`` (comma-separated) in order."""
     return results(subprocess.run(
         [sys.executable, "-m", "xshard.launch", "--nproc", "2", "--cpu-devices", "4",
-         "--timeout", "240", str(SCRIPT), mode, str(directory)],
+         "--timeout", "240", str(SCRIPT), modes, str(directory)],
         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300))
 
 
@@ -47,35 +47,35 @@ def single(mode: str, directory: Path, devices: int = 8) -> dict:
         [sys.executable, str(SCRIPT), mode, str(directory)],
         env=dict(ENV, XSHARD_CPU_DEVICES=str(devices)), cwd=ROOT, capture_output=True, text=True,
         timeout=300))
-    return result
+    return result[mode]
 
 
 @pytest.fixture(scope="module")
 def saved_2x4(tmp_path_factory):
+    """Saved on 2 x 4, then, by the same processes, loaded on another mesh and resumed."""
     directory = tmp_path_factory.mktemp("saved_2x4")
-    return directory, launch("save", directory)
+    return directory, launch("save,load,resume", directory)
 
 
 def test_each_process_writes_its_own_blocks(saved_2x4):
-    directory, saved = saved_2x4
-    assert [r["world"] for r in saved] == [2, 2]
+    directory, runs = saved_2x4
+    assert [r["world"] for r in runs] == [2, 2]
     files = sorted(os.listdir(directory / "ckpt"))
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     # Both processes hold half of every FSDP-sharded tensor: neither writes everything.
-    total = sum(r["bytes"] for r in saved)
-    assert all(0.25 * total < r["bytes"] < 0.75 * total for r in saved)
+    total = sum(r["save"]["bytes"] for r in runs)
+    assert all(0.25 * total < r["save"]["bytes"] < 0.75 * total for r in runs)
 
 
 def test_2x4_to_2x4_on_another_mesh(saved_2x4):
-    directory, _ = saved_2x4
-    assert all(r["equal"] for r in launch("load", directory))
+    _, runs = saved_2x4
+    assert all(r["load"]["equal"] for r in runs)
 
 
 def test_2x4_resume_equals_uninterrupted_run(saved_2x4):
-    directory, saved = saved_2x4
-    resumed = launch("resume", directory)
-    assert [r["step"] for r in resumed] == [2, 2]
-    assert [r["losses"] for r in resumed] == [r["continued"] for r in saved]
+    _, runs = saved_2x4
+    assert [r["resume"]["step"] for r in runs] == [2, 2]
+    assert [r["resume"]["losses"] for r in runs] == [r["save"]["continued"] for r in runs]
 
 
 def test_2x4_to_1x8(saved_2x4):
@@ -93,10 +93,9 @@ def test_2x4_to_1x1(saved_2x4, tmp_path):
 
 def test_1x8_to_2x4(tmp_path):
     saved = single("save", tmp_path)
-    assert saved["world"] == 1
-    assert all(r["equal"] for r in launch("load", tmp_path))
+    runs = launch("load,resume", tmp_path)
+    assert all(r["load"]["equal"] for r in runs)
     # The 1 x 8 run's continuation is the oracle for the same script on 2 x 4 (close, not
     # bit-exact: reductions may be ordered differently).
-    resumed = launch("resume", tmp_path)
-    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]),
+    torch.testing.assert_close(torch.tensor(runs[0]["resume"]["losses"]),
                                torch.tensor(saved["continued"]), rtol=1e-5, atol=1e-5)

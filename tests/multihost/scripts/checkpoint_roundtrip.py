@@ -1,8 +1,9 @@
 """Checkpoints across process counts: run under the launcher, one JSON line per process.
 
-    python -m xshard.launch --nproc 2 --cpu-devices 4 tests/multihost/scripts/checkpoint_roundtrip.py MODE DIR
+    python -m xshard.launch --nproc 2 --cpu-devices 4 tests/multihost/scripts/checkpoint_roundtrip.py MODES DIR
 
-MODE:
+MODES: one mode, or several joined by commas, run in that order by the same processes (a launch
+costs seconds): the JSON line holds one entry per mode.
   save    an FSDP GPT over all devices, AdamW after 2 steps, a 2-D sharded tensor and the step,
           saved to DIR/ckpt (the same state tests/checkpoint/test_one_device.py saves on 1 x 8);
           process 0 writes the values to DIR/ckpt.pt; then 2 more steps (the uninterrupted run).
@@ -39,11 +40,17 @@ def values(state) -> dict:
 
 def main() -> int:
     rank, world = start()
-    mode, directory = sys.argv[1], sys.argv[2]
+    modes, directory = sys.argv[1].split(","), sys.argv[2]
+    report(rank=rank, world=world, devices=xshard.device_count(),
+           **{mode: run(mode, rank, directory) for mode in modes})
+    return 0
+
+
+def run(mode: str, rank: int, directory: str) -> dict:
     path = os.path.join(directory, "ckpt")
     data = batches(4)
     n = xshard.device_count()
-    out = {"rank": rank, "world": world, "devices": n, "mode": mode}
+    out = {}
     if mode == "save":
         model = fsdp_gpt(seed=3, m=mesh((n,), ("fsdp",)))
         opt = adamw(model)
@@ -80,8 +87,7 @@ def main() -> int:
         out["losses"] = train(model, opt, data[2:])
     else:
         raise SystemExit(f"unknown MODE {mode!r}; choose save, load or resume")
-    report(**out)
-    return 0
+    return out
 
 
 if __name__ == "__main__":
