@@ -97,9 +97,11 @@ class OpFacts:
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         self.inplace = bool(self.written) and not self.out_names and schema.name.endswith("_")
         self.functional = _functional_twin(func, self) if self.written else None
-        # The functional twin takes the same arguments in the same order: an in-place call can be
-        # recorded as the twin's node from one freezing of its arguments.
+        # The functional twin takes the same arguments in the same order, with the same defaults,
+        # and has a rule: an in-place call can be recorded as the twin's node from one freezing
+        # of its arguments.
         self.inplace_twin = (self.inplace and isinstance(self.functional, torch._ops.OpOverload)
+                             and self.functional in RULES
                              and _same_arguments(func, self.functional))
         self.rule = RULES.get(func)
         self.inherit_sharding = func in INHERIT_SHARDING
@@ -183,6 +185,7 @@ def _matching_overload(packet, func, skip):
 
 def _same_arguments(a, b) -> bool:
     def spelled(op):
-        return [(x.name, str(x.type).replace("(a!)", ""), x.kwarg_only)
+        return [(x.name, str(x.type), x.kwarg_only, x.has_default_value(),
+                 repr(x.default_value) if x.has_default_value() else None)
                 for x in op._schema.arguments]
     return spelled(a) == spelled(b)

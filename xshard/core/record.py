@@ -248,12 +248,12 @@ def _inplace(func, f, functional, args, kwargs):
     """``x.op_(...)`` as the node of ``op(x, ...)`` written into ``x``: one freezing, no tensor
     made, the dispatcher not re-entered."""
     ff = facts(functional)
-    template, rec = freeze_call(f, args, kwargs, code=ff.code)
+    template, rec = freeze_call(f, args, kwargs)
     key = tuple(rec.key)
-    entry = _META.get(key)
+    entry = _INPLACE.get(key)
     if entry is None:
-        meta(func, args, kwargs, (f.code,) + key[1:])  # validates (broadcast into self, casts)
-        entry = meta(functional, args, kwargs, key)
+        meta(func, args, kwargs, key)  # PyTorch's own checks: broadcast into self, casts
+        entry = _INPLACE[key] = meta(functional, args, kwargs, (ff.code,) + key[1:])
     spec, node_key = entry
     node = _node(functional, ff, tuple(rec.inputs), template, spec, node_key)
     target = args[0]
@@ -263,6 +263,10 @@ def _inplace(func, f, functional, args, kwargs):
         return None
     write(target, node)
     return target
+
+
+# in-place call key -> (the functional twin's output spec, its node key)
+_INPLACE: dict = {}
 
 
 def _write_results(target, result):

@@ -50,7 +50,15 @@ def _forward(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_deb
     p = _probs(sf, lse).astype(q.dtype)
     out = jnp.einsum("...qk,...kd->...qd", p, v, precision=_mm_precision())
     zero = jnp.zeros((), np.int64)
-    return (out, lse, None, None, q.shape[-2], k.shape[-2], zero, zero, None)
+    return (out, lse.reshape(_lse_shape(q)), None, None, q.shape[-2], k.shape[-2], zero, zero,
+            None)
+
+
+def _lse_shape(q) -> tuple:
+    """The logsumexp's shape as PyTorch's meta kernel gives it: (batch..., heads, L), at least
+    three dimensions (a 3-D query's gets a leading 1)."""
+    lead = q.shape[:-1]
+    return (1,) * max(0, 3 - len(lead)) + tuple(lead)
 
 
 @rule(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
@@ -58,7 +66,7 @@ def _backward(grad, q, k, v, attn_bias, grad_input_mask, out, lse, cum_q, cum_k,
               dropout_p, is_causal, seed, offset, scale=None):
     s, scale = _scores(q, k, attn_bias, is_causal, scale)
     sf = s.astype(lse.dtype)
-    p = _probs(sf, lse)
+    p = _probs(sf, lse.reshape(q.shape[:-1]))
     g = grad.astype(p.dtype)
     prec = _mm_precision()
     dv = jnp.einsum("...qk,...qd->...kd", p, g, precision=prec)
