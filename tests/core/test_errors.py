@@ -160,3 +160,13 @@ def test_whether_an_input_is_held_does_not_split_a_step_into_two_executables():
         expected = w.cpu()
     assert d["compiles"] == 1
     torch.testing.assert_close(copy.cpu() * 0.5 + 1.0, expected)
+
+
+def test_in_place_checks_hold_after_the_functional_form_of_the_same_call():
+    """``x + y`` broadcasts to (3,); ``x.add_(y)`` cannot (x has shape (1,)): recording the
+    first must not let the second skip PyTorch's in-place check."""
+    x, y = torch.zeros(1).to(DEV), torch.ones(3).to(DEV)
+    assert tuple(torch.add(x, y).shape) == (3,)
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        x.add_(y)
+    assert x.cpu().tolist() == [0.0]
