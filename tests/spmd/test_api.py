@@ -459,13 +459,16 @@ def test_bad_tensors():
 
 
 def test_default_placed_data_copied_to_a_sub_mesh_once(monkeypatch):
-    """Unannotated data read together with data on a sub-mesh is copied onto the sub-mesh's
-    devices once, not every step (the copy is kept with the data)."""
-    from xshard.core import arrays
+    """Unannotated data read together with data on a sub-mesh is laid out on the sub-mesh's
+    devices once, not every step (kept with the data), and without a copy: its replicas on those
+    devices are re-viewed (see [Note: one device assignment per graph])."""
+    from xshard.core import api as core_api
+    from xshard.core import arrays, placement
 
-    calls = []
-    original = arrays.replicated_on
-    monkeypatch.setattr(arrays, "replicated_on", lambda *a: calls.append(1) or original(*a))
+    calls, copies = [], []
+    onto, replicate = placement.onto, arrays.replicated_on
+    monkeypatch.setattr(placement, "onto", lambda *a: calls.append(1) or onto(*a))
+    monkeypatch.setattr(arrays, "replicated_on", lambda *a: copies.append(1) or replicate(*a))
     sub = xs.Mesh(np.arange(4), (4,), ("x",))
     a = torch.ones(8, 4, device=xshard.device())
     xs.mark_sharding(a, sub, ("x", None))
@@ -473,4 +476,10 @@ def test_default_placed_data_copied_to_a_sub_mesh_once(monkeypatch):
     xshard.sync()
     for step in range(3):
         torch.testing.assert_close((a * b * step).cpu(), step * b.cpu())
-    assert len(calls) == 1
+    assert len(calls) == 1 and not copies
+    placed = core_api.value(b).placed[1]
+    assert sorted(d.id for d in placed.sharding.device_set) == [0, 1, 2, 3]
+    source = core_api.array(b).addressable_shards
+    buffers = {s.device: s.data.unsafe_buffer_pointer() for s in source}
+    assert all(s.data.unsafe_buffer_pointer() == buffers[s.device]
+               for s in placed.addressable_shards)

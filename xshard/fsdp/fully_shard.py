@@ -330,7 +330,7 @@ def _shard_parameters(root: nn.Module, mesh: Mesh, on_dim_0: bool, mp: MixedPrec
                 return t
             annotation = param_annotation(t, mesh, on_dim_0)
             source = t.detach() if t.device.type == "meta" else t.detach().cpu()
-            return core.new_tensor(spmd_api.upload_sharded(source, annotation), annotation)
+            return core.new_tensor(core.upload_annotated(source, annotation), annotation)
         out = t.to(DEVICE)
         if mp is not None and mp.buffer_dtype is not None and out.is_floating_point():
             out = out.to(mp.buffer_dtype)

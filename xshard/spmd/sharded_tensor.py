@@ -45,16 +45,15 @@ class XLAShard:
         """``data`` without the padding."""
         if self.indices is Ellipsis:
             return self.data
-        return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
+        return core.crop_host(self.data, self._extent())
 
     @unpadded_data.setter
     def unpadded_data(self, value: torch.Tensor) -> None:
-        if self.indices is Ellipsis:
-            self.data = value.clone()
-            return
-        data = torch.zeros_like(self.data)
-        data[tuple(slice(0, s.stop - s.start) for s in self.indices)] = value
-        self.data = data
+        value = value.clone()
+        self.data = value if self.indices is Ellipsis else core.pad_host(value, self.data.shape)
+
+    def _extent(self) -> tuple:
+        return tuple(s.stop - s.start for s in self.indices)
 
 
 def _device_name(device) -> str:
