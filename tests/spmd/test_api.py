@@ -236,9 +236,9 @@ def test_local_shards_uneven_rows_are_padded():
     assert [s.shard_device for s in shards] == [f"CPU:{i}" for i in range(8)]
     assert all(tuple(s.data.shape) == (2, 4) for s in shards)
     assert [s.replica_id for s in shards] == [0] * 8
-    assert shards[0].indices == (slice(0, 2, 1), slice(0, 4, 1))
-    assert shards[4].indices == (slice(8, 9, 1), slice(0, 4, 1))
-    assert shards[5].indices == (slice(9, 9, 1), slice(0, 4, 1))
+    assert shards[0].indices == [slice(0, 2, 1), slice(0, 4, 1)]
+    assert shards[4].indices == [slice(8, 9, 1), slice(0, 4, 1)]
+    assert shards[5].indices == [slice(9, 9, 1), slice(0, 4, 1)]
     assert tuple(shards[4].unpadded_data.shape) == (1, 4)
     torch.testing.assert_close(shards[4].data, torch.cat([x[8:], torch.zeros(1, 4)]))
     torch.testing.assert_close(shards[7].data, torch.zeros(2, 4))
@@ -253,9 +253,9 @@ def test_local_shards_partial_replication():
     # {devices=[2,1,4]0,2,4,6,1,3,5,7}: even devices hold rows 0:4, odd ones rows 4:8.
     for s in shards:
         device = int(s.shard_device.split(":")[1])
-        assert s.indices == (slice(4 * (device % 2), 4 * (device % 2) + 4, 1), slice(0, 4, 1))
+        assert s.indices == [slice(4 * (device % 2), 4 * (device % 2) + 4, 1), slice(0, 4, 1)]
         assert s.replica_id == device // 2
-        torch.testing.assert_close(s.data, x[s.indices])
+        torch.testing.assert_close(s.data, x[tuple(s.indices)])
 
 
 def test_local_shards_replicated():

@@ -27,8 +27,8 @@ class XLAShard:
 
     Attributes:
         data: the block on CPU, including the padding of uneven shards.
-        indices: ``slice`` per dimension into the unpadded global tensor, or ``Ellipsis`` when
-            every device holds the whole tensor.
+        indices: a list with one ``slice`` per dimension into the unpadded global tensor (as in
+            PyTorch/XLA), or ``Ellipsis`` when every device holds the whole tensor.
         shard_device: the device holding it, by its mesh device id (its position in
             ``xshard.devices()``), e.g. ``'CPU:3'``.
         replica_id: 0 for tiled shards; the position in its replication group for partially
@@ -36,7 +36,7 @@ class XLAShard:
     """
 
     data: torch.Tensor
-    indices: tuple | EllipsisType
+    indices: list | EllipsisType
     shard_device: str
     replica_id: int
 
@@ -108,6 +108,8 @@ class XLAShardedTensor(XTensor):
             else:
                 indices = _clip(shard.index, node.shape, array.shape)
                 replica = position if indices is Ellipsis else shard.replica_id
+            if indices is not Ellipsis:
+                indices = list(indices)
             shards.append(XLAShard(data, indices, _device_name(shard.device), replica))
         return shards
 
