@@ -236,9 +236,9 @@ def test_local_shards_uneven_rows_are_padded():
     assert [s.shard_device for s in shards] == [f"CPU:{i}" for i in range(8)]
     assert all(tuple(s.data.shape) == (2, 4) for s in shards)
     assert [s.replica_id for s in shards] == [0] * 8
-    assert shards[0].indices == (slice(0, 2, 1), slice(0, 4, 1))
-    assert shards[4].indices == (slice(8, 9, 1), slice(0, 4, 1))
-    assert shards[5].indices == (slice(9, 9, 1), slice(0, 4, 1))
+    assert shards[0].indices == [slice(0, 2, 1), slice(0, 4, 1)]
+    assert shards[4].indices == [slice(8, 9, 1), slice(0, 4, 1)]
+    assert shards[5].indices == [slice(9, 9, 1), slice(0, 4, 1)]
     assert tuple(shards[4].unpadded_data.shape) == (1, 4)
     torch.testing.assert_close(shards[4].data, torch.cat([x[8:], torch.zeros(1, 4)]))
     torch.testing.assert_close(shards[7].data, torch.zeros(2, 4))
@@ -253,9 +253,9 @@ def test_local_shards_partial_replication():
     # {devices=[2,1,4]0,2,4,6,1,3,5,7}: even devices hold rows 0:4, odd ones rows 4:8.
     for s in shards:
         device = int(s.shard_device.split(":")[1])
-        assert s.indices == (slice(4 * (device % 2), 4 * (device % 2) + 4, 1), slice(0, 4, 1))
+        assert s.indices == [slice(4 * (device % 2), 4 * (device % 2) + 4, 1), slice(0, 4, 1)]
         assert s.replica_id == device // 2
-        torch.testing.assert_close(s.data, x[s.indices])
+        torch.testing.assert_close(s.data, x[tuple(s.indices)])
 
 
 def test_local_shards_replicated():
@@ -459,13 +459,16 @@ def test_bad_tensors():
 
 
 def test_default_placed_data_copied_to_a_sub_mesh_once(monkeypatch):
-    """Unannotated data read together with data on a sub-mesh is copied onto the sub-mesh's
-    devices once, not every step (the copy is kept with the data)."""
-    from xshard.core import arrays
+    """Unannotated data read together with data on a sub-mesh is laid out on the sub-mesh's
+    devices once, not every step (kept with the data), and without a copy: its replicas on those
+    devices are re-viewed (see [Note: one device assignment per graph])."""
+    from xshard.core import api as core_api
+    from xshard.core import arrays, placement
 
-    calls = []
-    original = arrays.replicated_on
-    monkeypatch.setattr(arrays, "replicated_on", lambda *a: calls.append(1) or original(*a))
+    calls, copies = [], []
+    onto, replicate = placement.onto, arrays.replicated_on
+    monkeypatch.setattr(placement, "onto", lambda *a: calls.append(1) or onto(*a))
+    monkeypatch.setattr(arrays, "replicated_on", lambda *a: copies.append(1) or replicate(*a))
     sub = xs.Mesh(np.arange(4), (4,), ("x",))
     a = torch.ones(8, 4, device=xshard.device())
     xs.mark_sharding(a, sub, ("x", None))
@@ -473,4 +476,10 @@ def test_default_placed_data_copied_to_a_sub_mesh_once(monkeypatch):
     xshard.sync()
     for step in range(3):
         torch.testing.assert_close((a * b * step).cpu(), step * b.cpu())
-    assert len(calls) == 1
+    assert len(calls) == 1 and not copies
+    placed = core_api.value(b).placed[1]
+    assert sorted(d.id for d in placed.sharding.device_set) == [0, 1, 2, 3]
+    source = core_api.array(b).addressable_shards
+    buffers = {s.device: s.data.unsafe_buffer_pointer() for s in source}
+    assert all(s.data.unsafe_buffer_pointer() == buffers[s.device]
+               for s in placed.addressable_shards)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from xshard.core import cells, execute, ir
+from xshard.core import cells, execute, ir, padding, placement, transfer
 from xshard.core.tensor import XTensor, new_base
 
 __all__ = ["XTensor", "is_device_tensor", "value", "write", "is_view", "storage", "annotation",
            "set_annotation", "new_tensor", "alias", "view_spec", "view_of", "settled",
            "storage_data", "array", "sync", "evaluate", "to_cpu", "upload", "data_node",
-           "constrain", "default_sharding", "error"]
+           "constrain", "default_sharding", "error", "relayout", "upload_annotated", "pad_host",
+           "crop_host", "pad_node", "crop_node"]
 
 
 def is_device_tensor(x) -> bool:
@@ -157,4 +158,27 @@ def constrain(node: ir.Node, annotation) -> ir.Node:
 
 def default_sharding():
     """The jax sharding of unannotated data: replicated over every device."""
-    return execute.default_sharding()
+    return placement.default_sharding()
+
+
+def relayout(node: ir.Node, jax_sharding, padded_shape=None) -> ir.Node:
+    """Device data ``node`` laid out by ``jax_sharding``, over any devices in any order (a mesh
+    over a subset of the devices, or listing them in another order), padded with zeros at the end
+    of each dim to ``padded_shape`` (default: the logical shape; a padded ``node`` is cropped
+    first); ``node`` itself when it is laid out so already."""
+    return placement.relayout(node, jax_sharding, padded_shape)
+
+
+def upload_annotated(cpu: torch.Tensor, annotation) -> ir.Node:
+    """A data node holding a copy of CPU tensor ``cpu`` laid out as ``annotation`` says: written
+    straight into its shards (padded at the end where a dim does not divide), never as a
+    replicated copy on every device."""
+    return transfer.upload_annotated(cpu, annotation)
+
+
+# One padding and cropping, wherever a value lives (see xshard.core.padding): a CPU tensor, a
+# pending value.
+pad_host = padding.pad_host
+crop_host = padding.crop_host
+pad_node = padding.pad_node
+crop_node = padding.crop_node

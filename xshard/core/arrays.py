@@ -15,7 +15,9 @@ In one process these are plain ``jax.device_put`` and ``np.asarray``. With sever
   process must make the read.
 - ``replicated_on`` and ``replicated_from_local`` rebuild a replicated value on other devices from
   the local replica, where ``jax.device_put`` would be a cross-host reshard (which JAX refuses
-  between different device sets).
+  between different device sets); ``moved`` moves any value onto other devices the same way, a
+  value sharded over devices of several processes gathered first (a collective, checked like a
+  read).
 """
 
 from __future__ import annotations
@@ -110,10 +112,40 @@ def replicated_from_local(array, sharding):
     jax = runtime.jax_module()
     if not distributed.ACTIVE:
         return jax.device_put(array, sharding)
-    local = array.addressable_shards[0].data
-    pieces = [jax.device_put(local, d) for d in sharding.addressable_devices_indices_map(
-        array.shape)]
+    targets = list(sharding.addressable_devices_indices_map(array.shape))
+    if targets and not array.addressable_shards:
+        raise ValueError(
+            f"xshard cannot copy a {tuple(array.shape)} value held only by devices of processes "
+            f"{_processes(array.sharding)} onto devices of process {runtime.process_index()}: "
+            f"there is no transfer between processes outside a program. Lay it out over a mesh "
+            f"that includes this process's devices first (xs.mark_sharding), or compute it "
+            f"there.")
+    local = array.addressable_shards[0].data if targets else None
+    pieces = [jax.device_put(local, d) for d in targets]
     return jax.make_array_from_single_device_arrays(array.shape, sharding, pieces)
 
 
-__all__ = ["put", "to_host", "replicated_on", "replicated_from_local"]
+def moved(array, sharding):
+    """``array`` laid out by ``sharding`` over any devices. In one process, or between layouts over
+    the same devices, ``jax.device_put``. Across processes onto other devices: a value sharded over
+    devices of several processes is gathered to a replica first (a collective among its devices,
+    checked like a read), then rebuilt from the local replica on the new devices, then laid out."""
+    jax = runtime.jax_module()
+    if not distributed.ACTIVE or array.sharding.device_set == sharding.device_set or (
+            array.is_fully_addressable and sharding.is_fully_addressable):
+        return jax.device_put(array, sharding)
+    if not array.is_fully_replicated:
+        gather, digest = _gatherer(array.shape, array.dtype, array.sharding)
+        divergence.before_collective(
+            digest, "move", f"a {tuple(array.shape)} {array.dtype} value sharded over devices of "
+                            f"processes {_processes(array.sharding)}")
+        array = gather(array)
+    replica = replicated_from_local(array, _replicated(frozenset(sharding.device_set)))
+    return jax.device_put(replica, sharding)
+
+
+def _processes(sharding) -> list:
+    return sorted({d.process_index for d in sharding.device_set})
+
+
+__all__ = ["put", "to_host", "replicated_on", "replicated_from_local", "moved"]

@@ -19,8 +19,10 @@ buffer to XLA only if no live cell still holds that data: each data node counts 
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 
+import numpy as np
 import torch
 
 from xshard.core import ir
@@ -171,6 +173,38 @@ def _scatter_with(op):
     return rule
 
 
+def _strided_back(step, parent, value):
+    """Views that pick the parent's elements by strides (expand, unfold, as_strided): the view's
+    elements go back to the parent positions they alias. Where two of them alias one position
+    (a broadcast expand, overlapping unfold windows) the view's value cannot say which of them a
+    write changed, so such writes are refused."""
+    static = step.template[0][1:]
+    if step.op is aten.as_strided.default:
+        size, stride = static[0], static[1]
+        offset = (static[2] if len(static) > 2 else None) or 0
+    else:
+        meta = torch.empty(step.parent_shape, dtype=step.dtype, device="meta")
+        view = step.op(meta, *static, **dict(step.template[1]))
+        size, stride, offset = tuple(view.shape), tuple(view.stride()), view.storage_offset()
+    positions = np.full(tuple(size), offset, np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        along = [-1 if i == d else 1 for i in range(len(size))]
+        positions = positions + np.arange(n).reshape(along) * s
+    if np.unique(positions).size != math.prod(size):
+        raise NotImplementedError(
+            f"xshard cannot write through a view made by {step.op} whose elements overlap (a "
+            f"broadcast expand, overlapping windows); clone the view first (e.g. y = x."
+            f"{step.op.__name__.split('.')[0]}(...).clone()).")
+    return ir.Node(aten.as_strided_scatter.default, (parent, value),
+                   ((ir.slot(0), ir.slot(1), tuple(size), tuple(stride), offset), ()),
+                   parent.shape, parent.dtype)
+
+
+def _dtype_back(step, parent, value):
+    return ir.Node(aten.view.dtype, (value,), ((ir.slot(0), parent.dtype), ()), parent.shape,
+                   parent.dtype)
+
+
 def _permute_back(step, parent, value):
     dims = [d % len(step.shape) for d in step.template[0][1]]
     inverse = tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
@@ -195,7 +229,10 @@ _SCATTER = {
     aten.select.int: _scatter_with(aten.select_scatter.default),
     aten.slice.Tensor: _scatter_with(aten.slice_scatter.default),
     aten.diagonal.default: _scatter_with(aten.diagonal_scatter.default),
-    aten.as_strided.default: _scatter_with(aten.as_strided_scatter.default),
+    aten.as_strided.default: _strided_back,
+    aten.expand.default: _strided_back,
+    aten.unfold.default: _strided_back,
+    aten.view.dtype: _dtype_back,
     aten.permute.default: _permute_back,
     aten.transpose.int: _transpose_back,
     aten.t.default: _transpose_back,

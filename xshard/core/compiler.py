@@ -13,7 +13,7 @@ import warnings
 
 import numpy as np
 
-from xshard.core import arrays, divergence, ir, runtime, trace
+from xshard.core import divergence, ir, placement, runtime, trace
 from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.graph import Graph
 from xshard.core.lowering import RULES, LoweringError, apply_rule
@@ -64,77 +64,19 @@ class Program:
         return tuple(vals[o] for o in self.outputs)
 
 
-def input_values(graph: Graph) -> list:
+def input_values(graph: Graph, moves=None) -> list:
     """The arguments of ``graph``'s program: each input's payload (scalars as 0-d numpy arrays),
-    placed so that jit accepts them together (see [Note: default placement on a sub-mesh])."""
+    placed so that jit accepts them together by the ``moves`` of the graph's placement plan (made
+    here when not given; see [Note: one device assignment per graph] in xshard.core.placement)."""
     values = []
     for node in graph.inputs:
         if node.op is ir.SCALAR:
             values.append(np.asarray(node.payload, to_numpy_dtype(node.dtype)))
         else:
             values.append(node.payload)
-    return _colocate(graph.inputs, values)
-
-
-# [Note: default placement on a sub-mesh]
-# Unannotated data is replicated over every device. A graph that also reads data laid out on a mesh
-# over fewer devices (e.g. FSDP on Mesh(range(4), (4,), ('fsdp',))) would mix device sets, which jit
-# refuses ("incompatible devices"); such default-placed inputs are copied, replicated, onto the
-# devices of the other inputs. Only when those all share one device set: a graph mixing two
-# different sub-meshes is the user's error, and jit says so. The copy is kept with the data node,
-# so a step that reads the same data again does not copy it again.
-def _colocate(inputs, values):
-    if len(runtime.devices()) == 1:
-        return values
-    placed, default = set(), []
-    for i, node in enumerate(inputs):
-        if node.op is not ir.DATA or node.sharding is None:
-            continue
-        devices, everywhere_replicated = _placement(node.sharding)
-        if everywhere_replicated:
-            default.append(i)
-        elif devices is not None:
-            placed.add(devices)
-    if not default or len(placed) != 1:
-        return values
-    target = _replicated_on(next(iter(placed)))
-    for i in default:
-        node, v = inputs[i], values[i]
-        if isinstance(v, jax.ShapeDtypeStruct):
-            values[i] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target)
-        elif node.placed is not None and node.placed[0] is target:
-            values[i] = node.placed[1]
-        else:
-            values[i] = arrays.replicated_on(v, target)
-            node.placed = (target, values[i])
-    return values
-
-
-_PLACEMENTS: dict = {}
-
-
-def _placement(sharding):
-    """(its device set if not every device, whether replicated over every device) of a data
-    node's sharding, computed once per sharding (a data node keeps one object per layout)."""
-    entry = _PLACEMENTS.get(id(sharding))
-    if entry is None or entry[0] is not sharding:
-        devices = frozenset(sharding.device_set)
-        everywhere = len(devices) == len(runtime.devices())
-        entry = _PLACEMENTS[id(sharding)] = (
-            sharding, None if everywhere else devices, everywhere and sharding.is_fully_replicated)
-    return entry[1], entry[2]
-
-
-_REPLICATED_ON: dict = {}
-
-
-def _replicated_on(devices: frozenset):
-    sharding = _REPLICATED_ON.get(devices)
-    if sharding is None:
-        mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("xshard_sub",))
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        _REPLICATED_ON[devices] = sharding
-    return sharding
+    if moves is None:
+        moves = placement.plan(graph)
+    return placement.colocate(graph.inputs, values, moves) if moves else values
 
 
 def lower(graph: Graph, values=None, donate=()):
@@ -210,15 +152,17 @@ def compile_graph(graph: Graph, lowered=None, donate=()):
 
 
 class Executable:
-    """A compiled graph, the inputs it donates, and what a recompile log compares."""
+    """A compiled graph, the inputs it donates, how its inputs are placed, and what a recompile
+    log compares."""
 
-    __slots__ = ("compiled", "donate", "describe", "digest")
+    __slots__ = ("compiled", "donate", "describe", "digest", "moves")
 
-    def __init__(self, compiled, donate: tuple, describe, digest=None):
+    def __init__(self, compiled, donate: tuple, describe, digest=None, moves=()):
         self.compiled = compiled
         self.donate = donate
         self.describe = describe
         self.digest = digest  # of the lowered program, compared across processes (divergence.py)
+        self.moves = moves  # the graph's placement plan (see xshard.core.placement)
 
 
 _CACHE: dict = {}
@@ -233,10 +177,11 @@ def executable(graph: Graph, donate: tuple = ()) -> Executable:
         return exe
     cause = _log_recompile(graph)
     with trace.phase(trace.COMPILE):
-        lowered = lower(graph, donate=donate)
+        moves = placement.plan(graph)  # a function of the key: made once per executable
+        lowered = lower(graph, input_values(graph, moves), donate)
         compiled = compile_graph(graph, lowered)
     exe = _CACHE[graph.key] = Executable(compiled, tuple(donate), graph.describe(),
-                                         divergence.lowered_digest(lowered))
+                                         divergence.lowered_digest(lowered), moves)
     trace.compiled(graph, exe, cause)
     return exe
 

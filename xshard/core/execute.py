@@ -16,26 +16,12 @@ from xshard.core.compiler import input_values
 from xshard.core.dtypes import numpy_to_torch, to_numpy_dtype, torch_to_numpy
 from xshard.core.graph import Graph
 from xshard.core.padding import crop_host
+from xshard.core.placement import canonical, default_sharding
 
 jax = runtime.jax_module()
 
 
-# -- placement -------------------------------------------------------------------------------------
-
-_DEFAULT_SHARDING = None
-
-
-def default_sharding():
-    """Unannotated data is replicated over every device (as in PyTorch/XLA's SPMD mode)."""
-    global _DEFAULT_SHARDING
-    if _DEFAULT_SHARDING is None:
-        devices = runtime.devices()
-        if len(devices) == 1:
-            _DEFAULT_SHARDING = jax.sharding.SingleDeviceSharding(devices[0])
-        else:
-            mesh = jax.sharding.Mesh(np.array(devices), ("xshard_all",))
-            _DEFAULT_SHARDING = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return _DEFAULT_SHARDING
+# -- placement (see xshard.core.placement) ---------------------------------------------------------
 
 
 def upload_node(t: torch.Tensor, sharding=None) -> ir.Node:
@@ -60,15 +46,8 @@ def upload_node(t: torch.Tensor, sharding=None) -> ir.Node:
 
 
 def _placed(array):
-    """Unannotated data lives replicated over all devices (see default_sharding).
-
-    A graph without device data among its inputs (``torch.ones(..., device=d)`` and the like) runs
-    on one device; left there, its results would give the next step another input layout, and so
-    another executable than the steady state's.
-    """
-    if isinstance(array.sharding, jax.sharding.SingleDeviceSharding) and runtime.device_count() > 1:
-        return arrays.replicated_from_local(array, default_sharding())
-    return array
+    """A result laid out as unannotated data is kept (see ``placement.canonical``)."""
+    return canonical(array)
 
 
 # -- compile-only mode -----------------------------------------------------------------------------
@@ -240,7 +219,7 @@ def sync(wait: bool = False, abstract: bool = False) -> int:
 def _run(exe, graph: Graph, donatable: tuple) -> list:
     """Runs ``exe`` on ``graph``'s inputs. An input the executable was compiled to donate that
     something now holds is passed as a copy: donation never costs a second executable."""
-    values = input_values(graph)
+    values = input_values(graph, exe.moves)
     if exe.donate != donatable:
         free = set(donatable)
         for i in exe.donate:

@@ -216,7 +216,7 @@ def data_node(array, shape, dtype, sharding=None) -> Node:
         sharding = _representative(sharding, len(shape))
     node = Node(DATA, shape=tuple(shape), dtype=dtype, payload=array, sharding=sharding)
     node.holders = 0  # cells holding this data (see [Note: pending cells and held data])
-    node.placed = None  # a copy on a sub-mesh's devices (see [Note: default placement...])
+    node.placed = None  # its layout on a graph's devices (see xshard.core.placement)
     return node
 
 

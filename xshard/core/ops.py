@@ -30,6 +30,8 @@ VIEW_OPS = {
     aten.diagonal.default, aten.as_strided.default, aten.permute.default, aten.transpose.int,
     aten.t.default, aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default,
     aten.unbind.int, aten.unfold.default, aten.view.dtype,
+    # "unsafe" only for autograd: their results alias the input all the same
+    aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default,
 }
 
 SPECIAL_OPS = {
@@ -52,8 +54,8 @@ INHERIT_SHARDING = {aten.clone.default, aten.zeros_like.default, aten.empty_like
 _STATIC_SCALAR_OPS = {aten.arange, aten.linspace, aten.logspace, aten.pow, aten.float_power,
                       aten.full_like, aten.round, aten.quantile, aten.nanquantile,
                       aten.histc, aten.bucketize, aten.renorm, aten.norm, aten.linalg_vector_norm,
-                      aten.special_zeta, aten.polygamma, aten.mvlgamma, aten._cdist_forward,
-                      aten._pdist_forward, aten.cdist}
+                      aten._foreach_norm, aten.special_zeta, aten.polygamma, aten.mvlgamma,
+                      aten._cdist_forward, aten._pdist_forward, aten.cdist}
 
 # Arguments that may be CPU tensors of any shape, as on CUDA: indices (moved to the device).
 _CPU_INDEX_ARGUMENTS = {"indices"}

@@ -206,6 +206,8 @@ def mutate(func, f, args, kwargs):
     functional = f.functional
     if functional is None:
         return NotImplemented
+    if f.inplace and _aliased_list(args, kwargs):
+        return _one_by_one(func, args, kwargs)
     if f.inplace_twin:
         return _inplace(func, f, functional, args, kwargs)
     bound = _bind(func, args, kwargs)
@@ -226,6 +228,12 @@ def mutate(func, f, args, kwargs):
         results = result if isinstance(result, (tuple, list)) else (result,)
         outs = [bound[name] for name in f.out_names]
         for dst, src in zip(outs, results):
+            if isinstance(src, torch.Tensor) and tuple(src.shape) != tuple(dst.shape):
+                # PyTorch resizes out= to the result (never broadcasts into it); xshard cannot.
+                raise RuntimeError(
+                    f"xshard cannot resize an out= tensor of shape {tuple(dst.shape)} to "
+                    f"{tuple(src.shape)}; pass an out tensor of the result's shape, or use the "
+                    f"functional form.")
             write(dst, _value_of(src))
         return outs[0] if len(outs) == 1 else tuple(outs)
     if f.inplace:
@@ -242,6 +250,34 @@ def mutate(func, f, args, kwargs):
         write(bound[name], _value_of(new))
     own = result[: len(result) - n_written]
     return own[0] if len(own) == 1 else tuple(own)
+
+
+def _aliased_list(args, kwargs) -> bool:
+    """Whether an in-place op writes a list (``_foreach_add_``) in which two tensors share
+    storage (``_foreach_add_([t, t], 1)``), or one of them is read from another list argument
+    (``_foreach_div_([t, u], [t, t])``)."""
+    targets = args[0] if args else None
+    if type(targets) not in (list, tuple) or len(targets) < 2:
+        return False
+    ids = [id(t._cell) for t in targets if isinstance(t, LazyTensor)]
+    cells = set(ids)
+    if len(cells) < len(ids):
+        return True
+    return any(isinstance(t, LazyTensor) and id(t._cell) in cells
+               for a in (*args[1:], *kwargs.values()) if isinstance(a, (list, tuple)) for t in a)
+
+
+def _one_by_one(func, args, kwargs):
+    """An in-place ``_foreach_`` op over an aliased list (see ``_aliased_list``), element by
+    element: each update then reads the writes of those before it, as eager's loop does."""
+    n = len(args[0])
+
+    def item(x, i):
+        return [x[i]] if isinstance(x, (list, tuple)) and len(x) == n else x
+
+    for i in range(n):
+        func(*(item(a, i) for a in args), **{k: item(v, i) for k, v in kwargs.items()})
+    return None
 
 
 def _inplace(func, f, functional, args, kwargs):

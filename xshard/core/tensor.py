@@ -157,7 +157,12 @@ def dispatch(func, args, kwargs):
         if out is not NotImplemented:
             return out
     if f.decomposition is not None:
-        out = f.decomposition(*args, **kwargs)
+        try:
+            out = f.decomposition(*args, **kwargs)
+        except NotImplementedError as e:
+            if str(e):  # an xshard refusal, with its reason: raise it
+                raise
+            out = NotImplemented  # PyTorch's reference does not cover these arguments
         if out is not NotImplemented:
             return out
     return _fallback(func, args, kwargs)

@@ -21,6 +21,8 @@ aten = torch.ops.aten
 
 def copy_(dst, src):
     """``dst.copy_(src)`` where either is an xshard tensor."""
+    if not isinstance(src, torch.Tensor):  # t.copy_(3): eager PyTorch accepts a number
+        src = torch.tensor(src)
     if isinstance(dst, LazyTensor):
         annotation = dst._cell.sharding
         if annotation is not None and not isinstance(src, LazyTensor) and not dst._chain and \

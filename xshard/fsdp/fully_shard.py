@@ -124,9 +124,11 @@ class FSDP:
         self._fsdp_shard_output = shard_output
         self._fsdp_shard_input = shard_input
         self._fsdp_sync_grads = True
-        self._fsdp_release_queued = False
-        self._fsdp_grads_queued = False
-        self._fsdp_batch = None
+        # The backward pass (see _backward_id) for which each end-of-backward callback is queued,
+        # or None. Keyed by pass, not a flag: a backward that raises never runs its callbacks.
+        self._fsdp_release_queued = None
+        self._fsdp_grads_queued = None
+        self._fsdp_batch = None  # (backward pass, BatchDims)
         self._fsdp_rows_shardings: dict = {}
         self._fsdp_order_by_data = False
         _agree_initial_values(self, sync_module_states)
@@ -330,7 +332,7 @@ def _shard_parameters(root: nn.Module, mesh: Mesh, on_dim_0: bool, mp: MixedPrec
                 return t
             annotation = param_annotation(t, mesh, on_dim_0)
             source = t.detach() if t.device.type == "meta" else t.detach().cpu()
-            return core.new_tensor(spmd_api.upload_sharded(source, annotation), annotation)
+            return core.new_tensor(core.upload_annotated(source, annotation), annotation)
         out = t.to(DEVICE)
         if mp is not None and mp.buffer_dtype is not None and out.is_floating_point():
             out = out.to(mp.buffer_dtype)
@@ -371,7 +373,9 @@ class _Unit:
         if params:
             module._xshard_fsdp_unit = self  # activation checkpointing recomputes through it
             module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
-            module.register_forward_hook(self.post_forward)
+            # always_call: a forward that raises still puts the parameters back and removes the
+            # saved-tensor hooks (else every later autograd op in the process would run them).
+            module.register_forward_hook(self.post_forward, always_call=True)
             if module is not root:
                 # The root's inputs rarely need gradients (token ids), which full backward hooks
                 # warn about; the root gathers lazily when backward first unpacks a parameter.
@@ -413,11 +417,12 @@ class _Unit:
                 m._parameters[name] = self.params[i]
 
     def post_forward(self, module, args, output):
+        """After the unit's forward, also one that raised (then ``output`` is None)."""
         if not self.params:
             return None
         if self._hooks is not None:
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
         for m, name, i in self.slots:
             m._parameters[name] = self.params[i]
         # Holding the gathered tensors would make them outputs of the next sync (full copies).
@@ -449,8 +454,8 @@ class _Unit:
         return None
 
     def gather_for_backward(self, grads):
-        if not self.root._fsdp_release_queued:
-            self.root._fsdp_release_queued = True
+        if self.root._fsdp_release_queued != _backward_id():
+            self.root._fsdp_release_queued = _backward_id()
             torch.autograd.Variable._execution_engine.queue_callback(self.root_release)
         with torch.no_grad():
             fenced = self.fence([p.detach() for p in self.params], list(grads))
@@ -471,7 +476,7 @@ class _Unit:
         for unit in self.root._fsdp_units:
             unit.backward_gathered = None
             unit.state = TrainingState.IDLE
-        self.root._fsdp_release_queued = False
+        self.root._fsdp_release_queued = None
 
 
 class _Regather:
@@ -530,8 +535,8 @@ class _GatherForward(torch.autograd.Function):
                 g = _partial_grad(root, rows + _grad_rows(root, g, rows.dtype))
             g = spmd_api.constrained(g, core.annotation(param))
             out.append(g.to(ctx.param_dtypes[i]))
-        if root._fsdp_sync_grads and not root._fsdp_grads_queued:
-            root._fsdp_grads_queued = True
+        if root._fsdp_sync_grads and root._fsdp_grads_queued != _backward_id():
+            root._fsdp_grads_queued = _backward_id()
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(_annotate_grads, root))
         return (None, None, *out, *grads[ctx.n_params:])
@@ -556,15 +561,21 @@ def _rows_sharding(root: FSDP, ndim: int):
 
 def _batch_dims(root: FSDP) -> partial.BatchDims:
     """Where the batch is in this backward's values (dropped when the backward ends)."""
-    if root._fsdp_batch is None:
+    if root._fsdp_batch is None or root._fsdp_batch[0] != _backward_id():
         axes = root._fsdp_data_axes
-        root._fsdp_batch = partial.BatchDims(axes, partial.device_count(root._fsdp_mesh, axes))
+        batch = partial.BatchDims(axes, partial.device_count(root._fsdp_mesh, axes))
+        root._fsdp_batch = (_backward_id(), batch)
 
         def drop():
             root._fsdp_batch = None
 
         torch.autograd.Variable._execution_engine.queue_callback(drop)
-    return root._fsdp_batch
+    return root._fsdp_batch[1]
+
+
+def _backward_id() -> int:
+    """Autograd's id of the backward pass running now (its graph task; -1 outside one)."""
+    return torch._C._current_graph_task_id()
 
 
 def _grad_rows(root: FSDP, g: XTensor, dtype: torch.dtype) -> XTensor:
@@ -606,7 +617,7 @@ def _annotate_grads(root: FSDP) -> None:
     A gradient still holding ``no_sync``'s per-device rows (its parameter got no gradient in this
     backward) or one a tied use outside its unit accumulated into is reduced to that sharding here.
     """
-    root._fsdp_grads_queued = False
+    root._fsdp_grads_queued = None
     for p in root.parameters():
         g = p.grad
         if not isinstance(g, XTensor) or core.annotation(p) is None:

@@ -77,7 +77,7 @@ class ShardedEntry:
         for indices, data in self.shards:
             if indices is Ellipsis:
                 return data.clone()
-            out[indices] = data
+            out[tuple(indices)] = data
         return out
 
 

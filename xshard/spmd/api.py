@@ -8,11 +8,10 @@ as annotated.
 
 from __future__ import annotations
 
-import functools
 import torch
 
 from xshard.core import api as core
-from xshard.core import execute, ir, runtime
+from xshard.core import ir
 from xshard.core.tensor import XTensor
 from xshard.mesh import Mesh
 from xshard.spmd import sharding as sh
@@ -34,43 +33,10 @@ def _base_only(t: XTensor, what: str) -> None:
             f"{what}(t.clone(), ...).")
 
 
-@functools.lru_cache(maxsize=256)
-def _resharder(logical_shape, padded_shape, jax_sharding):
-    jax = runtime.jax_module()
-
-    def reshard(x):
-        if x.shape != logical_shape:
-            x = x[tuple(slice(0, n) for n in logical_shape)]
-        pads = [(0, p - n, 0) for n, p in zip(logical_shape, padded_shape)]
-        if any(hi for _, hi, _ in pads):
-            x = jax.lax.pad(x, jax.numpy.zeros((), x.dtype), pads)
-        return x
-
-    return jax.jit(reshard, out_shardings=jax_sharding)
-
-
 def reshard_data(node: ir.Node, annotation: sh.Annotation) -> ir.Node:
-    """Device data laid out as ``annotation`` says (padded at the end where dims don't divide)."""
-    padded = annotation.padded_shape(node.shape)
-    jax = runtime.jax_module()
-    if isinstance(node.payload, jax.ShapeDtypeStruct):  # compile-only data: no values to move
-        aval = jax.ShapeDtypeStruct(padded, node.payload.dtype, sharding=annotation.jax_sharding)
-        return ir.data_node(aval, node.shape, node.dtype, annotation.jax_sharding)
-    fn = _resharder(tuple(node.shape), padded, annotation.jax_sharding)
-    array = fn(node.payload)
-    return ir.data_node(array, node.shape, node.dtype, array.sharding)
-
-
-def upload_sharded(cpu: torch.Tensor, annotation: sh.Annotation) -> ir.Node:
-    """Copies a CPU tensor straight into its shards (no replicated copy on the devices)."""
-    logical = tuple(cpu.shape)
-    padded = annotation.padded_shape(logical)
-    if padded != logical:
-        full = torch.zeros(padded, dtype=cpu.dtype, device=cpu.device)
-        full[tuple(slice(0, n) for n in logical)] = cpu
-        cpu = full
-    node = execute.upload_node(cpu, annotation.jax_sharding)
-    return ir.data_node(node.payload, logical, node.dtype, node.sharding)
+    """Device data laid out as ``annotation`` says (padded at the end where dims don't divide),
+    from any devices onto the annotation's mesh, whatever its devices and their order."""
+    return core.relayout(node, annotation.jax_sharding, annotation.padded_shape(node.shape))
 
 
 def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec) -> XLAShardedTensor:
@@ -166,27 +132,12 @@ def clear_sharding(t: torch.Tensor) -> torch.Tensor:
     if value.manual:
         return t
     if value.is_data:
-        jax = runtime.jax_module()
-        if isinstance(value.payload, jax.ShapeDtypeStruct):  # compile-only data: no values
-            aval = jax.ShapeDtypeStruct(tuple(value.shape), value.payload.dtype,
-                                        sharding=execute.default_sharding())
-            core.write(t, ir.data_node(aval, value.shape, value.dtype, aval.sharding))
-        elif get_sharding_spec(t):
-            array = _replicator(tuple(value.shape))(value.payload)
-            core.write(t, ir.data_node(array, value.shape, value.dtype, array.sharding))
+        new = core.relayout(value, core.default_sharding())
+        if new is not value:
+            core.write(t, new)
     elif value.op == ir.CONSTRAIN:
         core.write(t, value.inputs[0])
     return t
-
-
-@functools.lru_cache(maxsize=256)
-def _replicator(logical_shape):
-    def replicate(x):
-        if x.shape != logical_shape:  # drop the padding of an uneven sharding
-            x = x[tuple(slice(0, n) for n in logical_shape)]
-        return x
-
-    return runtime.jax_module().jit(replicate, out_shardings=execute.default_sharding())
 
 
 def mark_sharding_with_gradients(t: torch.Tensor, mesh: Mesh, partition_spec) -> torch.Tensor:

@@ -40,7 +40,7 @@ from xshard.core.dtypes import torch_to_numpy
 from xshard.core.tensor import XTensor
 from xshard.mesh import Mesh
 from xshard.spmd import sharding as sh
-from xshard.spmd.api import mark_sharding, upload_sharded
+from xshard.spmd.api import mark_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _upload(t: torch.Tensor, spec: ShardingSpec | None) -> _Pending:
     annotation = spec.annotation(t.dim())
     if spec.minibatch:
         return _Pending(_upload_minibatch(t, spec, annotation), annotation)
-    return _Pending(upload_sharded(t, annotation), annotation)
+    return _Pending(core.upload_annotated(t, annotation), annotation)
 
 
 def _local_tiles_dim0(annotation: sh.Annotation) -> int:
@@ -151,7 +151,7 @@ def _upload_minibatch(t: torch.Tensor, spec: ShardingSpec, annotation: sh.Annota
             f"{spec.partition_spec!r} on mesh axes {spec.mesh.axis_names!r}). Use a batch size "
             f"that is a multiple of {local_tiles}, e.g. drop_last=True in the DataLoader.")
     if runtime.process_count() == 1:
-        return upload_sharded(t, annotation)
+        return core.upload_annotated(t, annotation)
     jax = runtime.jax_module()
     tiles = annotation.plan.tile_shape[0]
     global_shape = (per_host * tiles // local_tiles,) + tuple(t.shape[1:])

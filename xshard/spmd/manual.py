@@ -70,11 +70,7 @@ def enable_manual_sharding(t: torch.Tensor, partition_spec, *, mesh: Mesh | None
     value = core.value(t)
     if value.manual:
         raise ManualRegionError("enable_manual_sharding got a tensor that is already manual.")
-    padded = annotation.padded_shape(value.shape)
-    if padded != tuple(value.shape):
-        pads = tuple(x for n, p in reversed(list(zip(value.shape, padded))) for x in (0, p - n))
-        value = ir.Node(torch.ops.aten.constant_pad_nd.default, (value,), ((ir.slot(0), pads), ()),
-                        padded, value.dtype)
+    value = core.pad_node(value, annotation.padded_shape(value.shape))
     local = annotation.shard_shape(value.shape)
     node = ir.Node(ir.MANUAL_ENTER, (value,), ((ir.slot(0), annotation.partition_spec), ()), local,
                    value.dtype)
@@ -173,17 +169,8 @@ def _close_region(outputs, annotations, mesh: Mesh, full_shapes):
     template = ((tuple(ir.slot(i) for i in range(len(operands))), region.key, tuple(in_specs),
                  out_specs, mesh.get_jax_mesh()), ())
     node = ir.Node(ir.MANUAL_REGION, tuple(operands), template, outputs=metas)
-    return [core.new_tensor(_crop(ir.output_node(node, i), full), annotation)
+    return [core.new_tensor(core.crop_node(ir.output_node(node, i), full), annotation)
             for i, (annotation, full) in enumerate(zip(annotations, full_shapes))]
-
-
-def _crop(value: ir.Node, shape) -> ir.Node:
-    for dim, n in enumerate(shape):
-        if value.shape[dim] != n:
-            new_shape = tuple(n if d == dim else s for d, s in enumerate(value.shape))
-            value = ir.Node(torch.ops.aten.slice.Tensor, (value,),
-                            ((ir.slot(0), dim, 0, n, 1), ()), new_shape, value.dtype)
-    return value
 
 
 # -- collectives ---------------------------------------------------------------------------------

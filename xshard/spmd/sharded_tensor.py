@@ -27,8 +27,8 @@ class XLAShard:
 
     Attributes:
         data: the block on CPU, including the padding of uneven shards.
-        indices: ``slice`` per dimension into the unpadded global tensor, or ``Ellipsis`` when
-            every device holds the whole tensor.
+        indices: a list with one ``slice`` per dimension into the unpadded global tensor (as in
+            PyTorch/XLA), or ``Ellipsis`` when every device holds the whole tensor.
         shard_device: the device holding it, by its mesh device id (its position in
             ``xshard.devices()``), e.g. ``'CPU:3'``.
         replica_id: 0 for tiled shards; the position in its replication group for partially
@@ -36,7 +36,7 @@ class XLAShard:
     """
 
     data: torch.Tensor
-    indices: tuple | EllipsisType
+    indices: list | EllipsisType
     shard_device: str
     replica_id: int
 
@@ -45,16 +45,15 @@ class XLAShard:
         """``data`` without the padding."""
         if self.indices is Ellipsis:
             return self.data
-        return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
+        return core.crop_host(self.data, self._extent())
 
     @unpadded_data.setter
     def unpadded_data(self, value: torch.Tensor) -> None:
-        if self.indices is Ellipsis:
-            self.data = value.clone()
-            return
-        data = torch.zeros_like(self.data)
-        data[tuple(slice(0, s.stop - s.start) for s in self.indices)] = value
-        self.data = data
+        value = value.clone()
+        self.data = value if self.indices is Ellipsis else core.pad_host(value, self.data.shape)
+
+    def _extent(self) -> tuple:
+        return tuple(s.stop - s.start for s in self.indices)
 
 
 def _device_name(device) -> str:
@@ -109,6 +108,8 @@ class XLAShardedTensor(XTensor):
             else:
                 indices = _clip(shard.index, node.shape, array.shape)
                 replica = position if indices is Ellipsis else shard.replica_id
+            if indices is not Ellipsis:
+                indices = list(indices)
             shards.append(XLAShard(data, indices, _device_name(shard.device), replica))
         return shards
 

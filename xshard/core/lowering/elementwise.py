@@ -8,7 +8,7 @@ import torch
 from xshard.core import runtime
 from xshard.core.lowering.promotion import (
     _BOOL, _COMPLEX, _FLOAT, _INT, _category, _compute, _float_like, promote, result_dtype)
-from xshard.core.lowering.table import np_dtype, rule
+from xshard.core.lowering.table import astype, np_dtype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -46,7 +46,8 @@ for _op, _fn in _UNARY_FLOAT.items():
 
 _UNARY_SAME = {
     aten.neg: jnp.negative, aten.abs: jnp.abs, aten.floor: jnp.floor, aten.ceil: jnp.ceil,
-    aten.trunc: jnp.trunc, aten.sign: jnp.sign, aten.bitwise_not: lambda x: ~x,
+    aten.trunc: jnp.trunc, aten.bitwise_not: lambda x: ~x,
+    aten.sign: lambda x: jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), jnp.sign(x)),  # NaN: 0
     aten.positive: lambda x: x, aten.square: lambda x: x * x,
 }
 # Identities on bools (all but bitwise_not/square) and, for rounding, on integers.
@@ -85,7 +86,7 @@ def _frac(x):
 
 @rule(aten.sgn)
 def _sgn(x):
-    return x if x.dtype == np.bool_ else jnp.sign(x)
+    return x if x.dtype == np.bool_ else _UNARY_SAME[aten.sign](x)
 
 
 # One-argument ops whose jax.numpy function already has PyTorch's semantics.
@@ -183,24 +184,30 @@ def _hardswish(x):
 
 @rule(aten.threshold)
 def _threshold(x, threshold, value):
-    return jnp.where(x <= threshold, jnp.asarray(value, x.dtype), x)
+    # The threshold in x's dtype first, as ATen (an integer x: 1.9 -> 1, -1e-6 -> 0).
+    return jnp.where(x <= jnp.asarray(threshold).astype(x.dtype), jnp.asarray(value, x.dtype), x)
 
 
 @rule(aten.threshold_backward)
 def _threshold_backward(grad, x, threshold):
-    return jnp.where(x <= threshold, jnp.zeros((), grad.dtype), grad)
+    return jnp.where(x <= jnp.asarray(threshold).astype(x.dtype), jnp.zeros((), grad.dtype), grad)
 
 
 @rule(aten.igamma, torch.ops.prims.igamma.default)
 def _igamma(a, x):
     a, x = promote(a, x)
-    return jax.scipy.special.gammainc(_float_like(a), _float_like(x))
+    a, x = _float_like(a), _float_like(x)
+    # ATen's at a = inf: 0 for a finite x, NaN for x = inf (jax: NaN and 1)
+    return jnp.where(a == jnp.inf, jnp.where(x == jnp.inf, jnp.nan, 0.0).astype(a.dtype),
+                     jax.scipy.special.gammainc(a, x))
 
 
 @rule(aten.igammac, torch.ops.prims.igammac.default)
 def _igammac(a, x):
     a, x = promote(a, x)
-    return jax.scipy.special.gammaincc(_float_like(a), _float_like(x))
+    a, x = _float_like(a), _float_like(x)
+    return jnp.where(a == jnp.inf, jnp.where(x == jnp.inf, jnp.nan, 1.0).astype(a.dtype),
+                     jax.scipy.special.gammaincc(a, x))
 
 
 @rule(aten.special_modified_bessel_i0)
@@ -284,7 +291,8 @@ _BINARY = {
     aten.bitwise_or: jnp.bitwise_or, aten.bitwise_xor: jnp.bitwise_xor,
     aten.bitwise_left_shift: jnp.left_shift, aten.bitwise_right_shift: jnp.right_shift,
     aten.__lshift__: jnp.left_shift, aten.__rshift__: jnp.right_shift,
-    aten.heaviside: jnp.heaviside,
+    # PyTorch: x == 0 ? y : x > 0 (so NaN gives 0; jnp.heaviside gives NaN).
+    aten.heaviside: lambda x, y: jnp.where(x == 0, y, (x > 0).astype(x.dtype)),
 }
 for _op, _fn in _BINARY.items():
     rule(_op)(_binary(_fn))
@@ -301,7 +309,7 @@ for _op, _fn in {aten.atan2: jnp.arctan2, aten.hypot: jnp.hypot, aten.copysign: 
 def _add(a, b, alpha=1):
     a, b = promote(a, b)
     if alpha is not None and not (isinstance(alpha, (int, float)) and alpha == 1):
-        b = b * jnp.asarray(alpha, b.dtype)
+        b = b * astype(jnp.asarray(alpha), b.dtype)
     if a.dtype == np.bool_:
         return a | b
     return a + b
@@ -311,7 +319,7 @@ def _add(a, b, alpha=1):
 def _sub(a, b, alpha=1):
     a, b = promote(a, b)
     if not (isinstance(alpha, (int, float)) and alpha == 1):
-        b = b * jnp.asarray(alpha, b.dtype)
+        b = b * astype(jnp.asarray(alpha), b.dtype)
     return a - b
 
 
@@ -337,15 +345,26 @@ def _div(a, b, rounding_mode=None):
 @rule(aten.floor_divide)
 def _floor_divide(a, b):
     a, b = promote(a, b)
-    if _category(a.dtype) == _INT:
+    if _category(a.dtype) != _FLOAT:
         return jnp.floor_divide(a, b)
-    return jnp.floor(a / b)
+    # ATen's (and Python's) floor division, from fmod: 0.5 // -inf is -1, 5 // 0.1 is 49 (not
+    # floor(a / b): -0 and 50), and a zero quotient takes the sign of a / b.
+    mod = jnp.fmod(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floor = jnp.floor(div)
+    floor = jnp.where(div - floor > 0.5, floor + 1, floor)
+    floor = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), a / b), floor)
+    return jnp.where(b == 0, a / b, floor)
 
 
 @rule(aten.remainder)
 def _remainder(a, b):
     a, b = promote(a, b)
-    return jnp.remainder(a, b)
+    if _category(a.dtype) != _FLOAT:
+        return jnp.remainder(a, b)
+    mod = jnp.fmod(a, b)  # ATen's: a zero remainder keeps fmod's sign, not the divisor's
+    return jnp.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
 
 
 @rule(aten.fmod)
@@ -412,13 +431,13 @@ def _lerp(start, end, weight):
 @rule(aten.addcmul)
 def _addcmul(x, t1, t2, value=1):
     x, t1, t2 = promote(x, t1, t2)
-    return x + jnp.asarray(value, x.dtype) * t1 * t2
+    return x + astype(jnp.asarray(value), x.dtype) * t1 * t2
 
 
 @rule(aten.addcdiv)
 def _addcdiv(x, t1, t2, value=1):
     x, t1, t2 = promote(x, t1, t2)
-    return x + jnp.asarray(value, x.dtype) * (t1 / t2)
+    return x + astype(jnp.asarray(value), x.dtype) * (t1 / t2)
 
 
 @rule(aten.fill.Scalar, aten.fill.Tensor)
@@ -455,4 +474,4 @@ def _to_copy(x, dtype=None, **kwargs):
         x = jnp.real(x)
     if target == np.bool_:
         return x != 0
-    return x.astype(target)
+    return astype(x, target)

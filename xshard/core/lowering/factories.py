@@ -60,6 +60,8 @@ def _scalar_tensor(value, dtype=None, **kwargs):
 @rule(aten.arange.start_step)
 def _arange(start, end, step=1, dtype=None, **kwargs):
     dtype = np_dtype(dtype)
+    if _category(dtype) < _FLOAT:  # ATen converts the bounds and step to integers first
+        start, end, step = int(start), int(end), int(step)
     n = int(math.ceil((end - start) / step))
     return (start + jnp.arange(max(n, 0), dtype=np.float64 if _category(dtype) >= _FLOAT
                                else np.int64) * step).astype(dtype)

@@ -7,7 +7,7 @@ import torch
 
 from xshard.core import runtime
 from xshard.core.lowering.promotion import _INT, _category, promote
-from xshard.core.lowering.table import rule
+from xshard.core.lowering.table import astype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -36,21 +36,33 @@ def _scale(x, factor):
     """``x * factor`` for a Python (or weak 0-d) ``factor``, cast to x's dtype as ATen does."""
     if isinstance(factor, (int, float)) and factor == 1:
         return x
-    return x * jnp.asarray(factor, x.dtype)
+    return x * astype(jnp.asarray(factor), x.dtype)
+
+
+def _zero_where_0(x, factor):
+    """``x * factor``, and 0 where ``factor`` is 0 (NaN and inf in ``x`` included), as the BLAS
+    calls behind PyTorch's add-matmul ops do. ``factor`` may be a traced scalar input."""
+    if isinstance(factor, (int, float)):
+        return jnp.zeros_like(x) if factor == 0 else _scale(x, factor)
+    return jnp.where(factor == 0, jnp.zeros((), x.dtype), _scale(x, factor))
+
+
+def _plus_bias(out, bias, beta):
+    """``out + beta * bias``; where ``beta`` is 0, ``bias`` is ignored (NaN and inf included)."""
+    if isinstance(beta, (int, float)) and beta == 0:
+        return out
+    return out + _zero_where_0(bias.astype(out.dtype), beta)
 
 
 @rule(aten.addmm)
 def _addmm(bias, a, b, beta=1, alpha=1):
-    out = _matmul(a, b)
-    out = _scale(out, alpha)
-    if isinstance(beta, (int, float)) and beta == 0:
-        return out  # bias is ignored, NaN included
-    return out + _scale(bias.astype(out.dtype), beta)
+    return _plus_bias(_zero_where_0(_matmul(a, b), alpha), bias, beta)
 
 
 @rule(aten.baddbmm)
 def _baddbmm(bias, a, b, beta=1, alpha=1):
-    return _addmm(bias, a, b, beta, alpha)
+    # Unlike addmm, addmv and addbmm, ATen's baddbmm keeps NaN of the product when alpha is 0.
+    return _plus_bias(_scale(_matmul(a, b), alpha), bias, beta)
 
 
 @rule(aten.addmv)
@@ -60,10 +72,7 @@ def _addmv(bias, a, v, beta=1, alpha=1):
 
 @rule(aten.addbmm)
 def _addbmm(bias, a, b, beta=1, alpha=1):
-    out = _scale(jnp.sum(_matmul(a, b), axis=0), alpha)
-    if isinstance(beta, (int, float)) and beta == 0:
-        return out
-    return out + _scale(bias.astype(out.dtype), beta)
+    return _plus_bias(_zero_where_0(jnp.sum(_matmul(a, b), axis=0), alpha), bias, beta)
 
 
 @rule(aten._cdist_forward)

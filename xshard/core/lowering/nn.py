@@ -305,6 +305,8 @@ def _adaptive_bounds(size, out):
 @rule(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
 def _adaptive_avg_pool(x, output_size):
     nd = len(output_size)
+    if 0 in output_size:
+        return jnp.zeros(x.shape[:x.ndim - nd] + tuple(output_size), x.dtype)
     out = x
     for d, o in enumerate(output_size):
         axis = x.ndim - nd + d

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from xshard.core import runtime
-from xshard.core.lowering.table import np_dtype
+from xshard.core.lowering.table import astype, np_dtype
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -56,7 +56,7 @@ def result_dtype(*xs):
 
 def promote(*xs):
     dtype = result_dtype(*xs)
-    return tuple(None if x is None else jnp.asarray(x, dtype=dtype) for x in xs)
+    return tuple(None if x is None else astype(jnp.asarray(x), dtype) for x in xs)
 
 
 def _compute(x, dtype):
@@ -66,5 +66,5 @@ def _compute(x, dtype):
 def _float_like(x):
     """Integers and bools computed in float, as PyTorch's unary float ops do (default float32)."""
     if _category(x.dtype) in (_BOOL, _INT):
-        return x.astype(jnp.float32)
+        return astype(x, jnp.float32)
     return x

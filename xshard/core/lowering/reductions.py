@@ -117,27 +117,48 @@ def _correction(correction, unbiased=None):
     return correction
 
 
+def _variance(x, axis, correction, keepdim, root=False):
+    """PyTorch's variance (its square root if ``root``): the sum of squared deviations over
+    max(0, N - correction), so a correction of N or more gives inf (NaN where the deviations are
+    all 0), where jnp.var gives NaN; no elements give NaN.
+
+    The deviations are scaled by their largest magnitude before squaring, so the standard deviation
+    of values beyond 1e19 does not overflow float32 (ATen accumulates in double on CPU)."""
+    n = x.size if axis is None else int(np.prod([x.shape[a] for a in axis]))
+    deviations = jnp.abs(x - jnp.mean(x, axis=axis, keepdims=True))
+    if n == 0:
+        shape = jnp.sum(deviations, axis=axis, keepdims=keepdim).shape
+        return jnp.full(shape, jnp.nan, deviations.dtype)
+    scale = jnp.max(deviations, axis=axis, keepdims=True)
+    safe = jnp.where((scale > 0) & jnp.isfinite(scale), scale, jnp.ones((), scale.dtype))
+    squares = jnp.sum(jnp.square(deviations / safe), axis=axis, keepdims=keepdim)
+    safe = safe if keepdim else jnp.squeeze(safe, axis=axis)
+    # ``correction`` may be a traced scalar input.
+    dof = jnp.maximum(jnp.asarray(n, squares.dtype) - _correction(correction), 0)
+    ratio = squares / dof.astype(squares.dtype)
+    return safe * jnp.sqrt(ratio) if root else jnp.square(safe) * ratio
+
+
 @rule(aten.var.correction)
 def _var(x, dim=None, correction=None, keepdim=False):
-    return jnp.var(x, axis=_dims(x, dim), ddof=_correction(correction), keepdims=keepdim)
+    return _variance(x, _dims(x, dim), correction, keepdim)
 
 
 @rule(aten.std.correction)
 def _std(x, dim=None, correction=None, keepdim=False):
-    return jnp.std(x, axis=_dims(x, dim), ddof=_correction(correction), keepdims=keepdim)
+    return _variance(x, _dims(x, dim), correction, keepdim, root=True)
 
 
 @rule(aten.var_mean.correction)
 def _var_mean(x, dim=None, correction=None, keepdim=False):
     axis = _dims(x, dim)
-    return (jnp.var(x, axis=axis, ddof=_correction(correction), keepdims=keepdim),
-            jnp.mean(x, axis=axis, keepdims=keepdim))
+    return (_variance(x, axis, correction, keepdim), jnp.mean(x, axis=axis, keepdims=keepdim))
 
 
 @rule(aten.std_mean.correction)
 def _std_mean(x, dim=None, correction=None, keepdim=False):
     axis = _dims(x, dim)
-    return (jnp.std(x, axis=axis, ddof=_correction(correction), keepdims=keepdim),
+    return (_variance(x, axis, correction, keepdim, root=True),
             jnp.mean(x, axis=axis, keepdims=keepdim))
 
 
@@ -297,25 +318,30 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
 
 
 
+def _along(fn, x, dim):
+    """``fn(x, axis=dim)``; a 0-dim ``x`` counts as one element along its one dim, as in PyTorch."""
+    if x.ndim == 0:
+        return fn(x.reshape(1), axis=0).reshape(())
+    return fn(x, axis=dim % x.ndim)
+
+
 @rule(aten._softmax)
 def _softmax(x, dim, half_to_float=False):
-    out = jax.nn.softmax(x.astype(np.float32) if half_to_float else x, axis=dim % max(x.ndim, 1))
-    return out
+    return _along(jax.nn.softmax, x.astype(np.float32) if half_to_float else x, dim)
 
 
 @rule(aten._log_softmax)
 def _log_softmax(x, dim, half_to_float=False):
-    return jax.nn.log_softmax(x.astype(np.float32) if half_to_float else x,
-                              axis=dim % max(x.ndim, 1))
+    return _along(jax.nn.log_softmax, x.astype(np.float32) if half_to_float else x, dim)
 
 
 @rule(aten._softmax_backward_data)
 def _softmax_backward_data(grad, out, dim, input_dtype):
-    dim = dim % max(out.ndim, 1)
-    return out * (grad - jnp.sum(grad * out, axis=dim, keepdims=True))
+    axis = dim % out.ndim if out.ndim else None  # 0-dim: the sum over its one element
+    return out * (grad - jnp.sum(grad * out, axis=axis, keepdims=True))
 
 
 @rule(aten._log_softmax_backward_data)
 def _log_softmax_backward_data(grad, out, dim, input_dtype):
-    dim = dim % max(out.ndim, 1)
-    return grad - jnp.exp(out) * jnp.sum(grad, axis=dim, keepdims=True)
+    axis = dim % out.ndim if out.ndim else None
+    return grad - jnp.exp(out) * jnp.sum(grad, axis=axis, keepdims=True)

@@ -79,8 +79,12 @@ def _index_select(x, dim, index):
 def _gather(x, dim, index, sparse_grad=False):
     if x.ndim == 0:
         return jnp.reshape(x, index.shape)
-    return jnp.take_along_axis(x, index, axis=dim % x.ndim, mode="clip") if index.size else \
-        jnp.zeros(index.shape, x.dtype)
+    if index.size == 0:  # an empty index may even have another rank
+        return jnp.zeros(index.shape, x.dtype)
+    dim = dim % x.ndim
+    # ``index`` may be smaller than ``x`` along the other dims: gather reads their leading block.
+    x = x[tuple(slice(None) if d == dim else slice(0, n) for d, n in enumerate(index.shape))]
+    return jnp.take_along_axis(x, index, axis=dim, mode="clip")
 
 
 def _scatter_indices(x, dim, index):
@@ -219,6 +223,8 @@ def _mask_put(x, indices, values, accumulate):
     before, after = x.shape[:p], x.shape[p + mask.ndim:]
     values = values.astype(x.dtype)
     k = values.shape[values.ndim - len(after) - 1] if values.ndim > len(after) else 1
+    if k == 0:  # no values: PyTorch checked that the mask selects nothing
+        return x
     values = jnp.broadcast_to(values, before + (k,) + after)
     rank = jnp.clip(jnp.cumsum(mask.ravel().astype(jnp.int32)) - 1, 0, k - 1)
     gathered = jnp.take(values, rank.reshape(mask.shape), axis=p)

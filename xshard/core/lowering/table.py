@@ -28,6 +28,17 @@ def rule(*ops):
     return register
 
 
+def astype(x, dtype):
+    """``x`` as ``dtype``. A bool array becomes a number through a select, not a convert: XLA's
+    algebraic simplifier rewrites ``convert(pred) * y`` and ``convert(pred) / y`` as
+    ``select(pred, y or 1/y, 0)``, which gives 0 where PyTorch gives NaN (``False * inf``,
+    ``False / False``)."""
+    dtype = np.dtype(dtype)
+    if x.dtype == np.bool_ and dtype != np.bool_:
+        return jnp.where(x, jnp.ones((), dtype), jnp.zeros((), dtype))
+    return x.astype(dtype)
+
+
 def has_rule(op) -> bool:
     return op in RULES
 
@@ -88,5 +99,5 @@ def conform(x, shape, dtype, op):
             raise LoweringError(
                 f"the rule of {op} produced {x.dtype}, PyTorch expects {want}: a cast would drop "
                 f"the imaginary part")
-        x = x.astype(want)
+        x = astype(x, want)
     return x

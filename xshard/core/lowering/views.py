@@ -31,7 +31,10 @@ def _infer_shape(size, numel):
 @rule(aten.view.dtype)
 def _view_dtype(x, dtype):
     target = np_dtype(dtype)
-    if target.itemsize == x.dtype.itemsize:
+    if x.dtype == np.bool_ or target == np.bool_:  # bitcast refuses bools: one byte, 0 or 1
+        if target.itemsize == x.dtype.itemsize:
+            return x.astype(target) if target != np.bool_ else x != 0
+    elif target.itemsize == x.dtype.itemsize:
         return lax.bitcast_convert_type(x, target)
     raise NotImplementedError("view(dtype) between dtypes of different sizes")
 
@@ -131,8 +134,8 @@ def _as_strided(x, size, stride, storage_offset=None):
 
 @rule(aten.unfold.default)
 def _unfold(x, dimension, size, step):
-    if x.ndim == 0:
-        return jnp.reshape(x, (1,))
+    if x.ndim == 0:  # one window of ``size`` (0 or 1) elements
+        return jnp.reshape(x, (1,))[:size]
     dim = dimension % x.ndim
     n = (x.shape[dim] - size) // step + 1
     idx = (np.arange(n)[:, None] * step + np.arange(size)[None, :])

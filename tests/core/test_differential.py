@@ -1,0 +1,383 @@
+"""Differential test: random small programs on xshard against eager CPU, in one process.
+
+See [Note: differential programs] in differential.py (the harness) and differential_ops.py (the
+generator). CI runs one fixed seed; ``-m slow`` runs more seeds and longer programs. A failure is
+reported as a minimal runnable program (or sequence of programs sharing the executable cache).
+
+Below the fuzz tests: the bugs it found, each as a plain regression test.
+"""
+
+import random
+
+import pytest
+import torch
+
+import xshard
+from core_testing import check as check_eager
+from differential import (DEVICE, InvalidProgram, Ref, Step, Stats, check, fuzz, mutants,
+                          run_families, settle, to_python)
+from xshard.core import compiler, ir, record
+
+CI_SEED = 0
+CI_FAMILIES = 70  # about 200 programs (each with up to two neighbours)
+
+
+def _report(failures, stats):
+    return f"{len(failures)} failure(s) in {stats}:\n\n" + "\n\n".join(
+        f.report() for f in failures)
+
+
+def test_random_programs_match_eager():
+    stats = Stats()
+    failures = fuzz(CI_SEED, CI_FAMILIES, stats=stats)
+    assert not failures, _report(failures, stats)
+    assert stats.programs >= 200 and stats.steps >= 1000, stats  # the run is not vacuous
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_random_programs_match_eager_long(seed):
+    stats = Stats()
+    failures = fuzz(seed, 150, neighbours=3, stats=stats)
+    assert not failures, _report(failures, stats)
+
+
+# -- the harness itself ----------------------------------------------------------------------------
+
+
+def _input(data):
+    return Step("input", data=data)
+
+
+def _select_program(index):
+    """t0 = 2x2 input; t1 = t0.select(0, index); t2 = t1 * 2; t3 = t0.sum()."""
+    return settle((
+        _input(torch.tensor([[1.0, 2.0], [3.0, 4.0]])),
+        Step("method", "select", (Ref(0), 0, index), n_out=None),
+        Step("torch", "mul", (Ref(1), 2.0), n_out=None),
+        Step("torch", "sum", (Ref(0),), n_out=None),
+    ))[0]
+
+
+def test_neighbours_differ_in_one_literal():
+    base = _select_program(-1)
+    found = mutants(base, random.Random(0), 6, tries=200)
+    assert found
+    for program in found:
+        changed = [i for i, (a, b) in enumerate(zip(base, program)) if a is not b]
+        assert len(changed) == 1, changed
+
+
+def test_catches_hash_only_keys_and_prints_a_minimal_program(monkeypatch):
+    """With the keys of commit 03b4152 back (a node's static part keyed by ``hash()``, so
+    x.select(0, -1) and x.select(0, -2) share an executable), the differential run fails and
+    shrinks the failure to the two one-call programs, printed as a script that fails the same
+    way and passes with exact keys."""
+    monkeypatch.setattr(ir, "exact", hash)
+    # The recorder caches what it derives from a call's key (meta results with their node keys,
+    # view steps): empty while hash() keys hold, the exact-keyed ones back afterwards.
+    for cache in ("_META", "_VIEWS", "_FACTORY_META"):
+        monkeypatch.setattr(record, cache, {})
+    try:
+        family = [_select_program(-1), _select_program(-2)]
+        failures = run_families([family], seed="test", shrink_budget=40)
+        assert len(failures) == 1
+        failure = failures[0]
+        assert failure.outcome.kind == "mismatch"
+        assert [len(p) for p in failure.programs] == [2, 2]  # an input and the select each
+        script = failure.report()
+        assert "t1 = t0.select(0, -1)" in script and "t1 = t0.select(0, -2)" in script
+        compiler.clear_cache()
+        with pytest.raises(AssertionError, match="program_2: t1 differs"):
+            exec(compile(script, "<repro>", "exec"), {})
+    finally:
+        monkeypatch.undo()
+        compiler.clear_cache()
+    exec(compile(script, "<repro>", "exec"), {})  # exact keys: the same script passes
+
+
+def test_a_valid_program_checks_clean_and_an_invalid_one_is_rejected():
+    assert not check(_select_program(-2)).failed
+    with pytest.raises(InvalidProgram):
+        settle((_input(torch.zeros(2)), Step("method", "select", (Ref(0), 0, 5), n_out=None)))
+
+
+@pytest.mark.parametrize("call", [
+    Step("method", "to", (Ref(0), torch.int64), n_out=None),
+    Step("torch", "sum", (Ref(0),), (("dtype", torch.int64),), n_out=None),
+    Step("torch", "nn.functional.gelu", (Ref(0),), n_out=None),
+])
+def test_programs_whose_eager_result_is_undefined_are_not_valid(call):
+    """A float to int conversion of NaN or infinity (undefined in C++), ATen CPU's GELU at
+    infinity (NaN, a quirk): the harness rejects such programs rather than compare them."""
+    with pytest.raises(InvalidProgram):
+        settle((_input(torch.tensor([1.5, float("inf")])), call))
+    settle((_input(torch.tensor([1.5, -2.0])), call))  # finite: valid
+
+
+def test_printed_program_reads_as_python():
+    program = settle((
+        _input(torch.tensor([[1.5, -2.0], [0.25, 3.0]])),
+        Step("getitem", "getitem", (Ref(0), (slice(None, -1, None), -2)), n_out=None),
+        Step("setitem", "setitem", (Ref(0), (Ellipsis, 0), 7.0), n_out=None),
+        Step("torch", "arange", (-1, 5, 2), (("device", DEVICE),), n_out=None),
+        Step("method", "unbind", (Ref(0), -1), n_out=None),
+    ))[0]
+    text = to_python([program], check(program))
+    assert "t0 = torch.tensor([[1.5, -2.0], [0.25, 3.0]], device=dev)" in text
+    assert "t1 = t0[:-1, -2]" in text
+    assert "t0[..., 0] = 7.0" in text
+    assert "t2 = torch.arange(-1, 5, 2, device=dev)" in text
+    assert "t3, t4 = t0.unbind(-1)" in text
+    exec(compile(text, "<repro>", "exec"), {})
+
+
+# -- what the differential test found --------------------------------------------------------------
+
+
+def test_heaviside_of_nan_is_zero_as_in_pytorch():
+    x = torch.tensor([float("nan"), 0.0, -1.0, 2.0])
+    check_eager(torch.heaviside, x, torch.tensor([0.5, 0.5, 0.5, 0.5]))
+
+
+@pytest.mark.parametrize("fn", [torch.softmax, torch.log_softmax])
+def test_softmax_of_a_0_dim_tensor(fn):
+    def program(x):
+        x = x.detach().requires_grad_()
+        y = fn(x * 2, -1)
+        y.backward()
+        return y, x.grad
+
+    check_eager(program, torch.tensor(0.5))
+
+
+def test_gather_with_an_index_smaller_than_the_input():
+    x = torch.arange(12.0).reshape(3, 4)
+    check_eager(lambda x, i: torch.gather(x, -2, i), x, torch.tensor([[1, 2]]))
+    check_eager(lambda x, i: torch.gather(x, 1, i), x, torch.tensor([[3], [0]]))
+
+
+def test_bool_viewed_as_uint8_and_back():
+    check_eager(lambda x: (x.view(torch.uint8) + 1, x.view(torch.int8)),
+                torch.tensor([True, False]))
+    check_eager(lambda x: x.view(torch.bool), torch.tensor([1, 0, 1], dtype=torch.uint8))
+
+
+def test_masked_assignment_of_no_values():
+    def program(x, mask, values):
+        x[mask] = values
+        return x
+
+    check_eager(program, torch.tensor([0, -1]), torch.tensor([False, False]),
+                torch.zeros(0, dtype=torch.int64))
+
+
+def test_copy_from_a_python_number():
+    def program(x):
+        x.copy_(3)
+        x[0].copy_(1.5)
+        return x
+
+    check_eager(program, torch.tensor([1.0, 0.0, -1.0]))
+
+
+def test_writes_through_expand_unfold_and_dtype_views():
+    def program(x, y, z):
+        x.expand(3, 4).add_(1)  # expand to its own shape: no two elements alias
+        w = y.unfold(0, 2, 2)  # non-overlapping windows
+        w[1] = 9.0
+        w.mul_(2)
+        z.view(torch.int32).add_(1)
+        return x, y, z
+
+    check_eager(program, torch.zeros(3, 4), torch.arange(6.0), torch.tensor([1.5, -2.0]))
+
+
+def test_unsafe_chunk_and_split_results_alias_their_input():
+    def program(x):
+        a, b = torch.unsafe_chunk(x, 2)
+        c, d = x.unsafe_split_with_sizes([1, 3], 1)
+        a.add_(1)
+        torch._foreach_clamp_max_([b, b], [a, a])
+        d.mul_(-1)
+        return x, a, b, c, d
+
+    check_eager(program, torch.arange(16.0).reshape(4, 4))
+
+
+def test_writes_through_aliasing_views_are_refused():
+    base = torch.zeros(1, 4, device=xshard.device())
+    with pytest.raises(NotImplementedError, match="elements overlap.*clone the view first"):
+        base.expand(3, 4)[0] = 5.0
+    windows = torch.arange(5.0, device=xshard.device()).unfold(0, 2, 1)
+    with pytest.raises(NotImplementedError, match="elements overlap"):
+        windows[0] = 9.0
+
+
+@pytest.mark.filterwarnings("ignore:.*degrees of freedom")
+@pytest.mark.parametrize("correction", [2, 3])
+def test_variance_with_no_degrees_of_freedom_left(correction):
+    """PyTorch divides by max(0, N - correction): inf, or NaN where every deviation is 0."""
+    def program(x, flat):
+        return (torch.std_mean(x, correction=correction), torch.var(x, 0, correction=correction),
+                torch.var(flat, correction=correction), torch.std(x, correction=0))
+
+    check_eager(program, torch.tensor([0.0, 0.25]), torch.tensor([1.0, 1.0]))
+
+
+@pytest.mark.filterwarnings("ignore:.*degrees of freedom")
+def test_variance_of_no_elements_is_nan():
+    def program(x, rows):
+        return (torch.var(x, correction=-1), torch.std_mean(x), torch.var(rows, 0, correction=0),
+                torch.std(rows.T, 1, correction=-1))
+
+    check_eager(program, torch.zeros(0), torch.zeros(0, 3))
+
+
+def test_standard_deviation_of_huge_values_does_not_overflow():
+    """ATen accumulates in double on CPU: the std of values near 1e22 is finite in float32."""
+    x = torch.nn.functional.celu(torch.tensor([[[[-2.0, -3.0, 8.0], [-18.0, 20.0, -26.0]]]]), -0.5)
+    check_eager(lambda x: (torch.std_mean(x, dim=(-2, -4)), torch.std(x), torch.var(x)), x,
+                rtol=1e-5, atol=0.0)
+
+
+def test_out_of_another_shape_is_refused_not_broadcast_into():
+    """PyTorch resizes out= to the result's shape; xshard cannot resize, so it says so (it used
+    to broadcast the result into the out tensor, silently)."""
+    out = torch.zeros(2, device=xshard.device())
+    with pytest.raises(RuntimeError, match=r"cannot resize an out= tensor of shape \(2,\) to "
+                                           r"\(1,\)"):
+        torch.sum(torch.zeros(1, 1, device=xshard.device()), 0, out=out)
+
+
+def test_addmm_with_beta_0_ignores_nan_in_the_input():
+    def program(bias, a, b, bias3, a3, b3):
+        return (torch.addmm(bias, a, b, beta=0), torch.addmm(bias, a, b, beta=0.5),
+                torch.baddbmm(bias3, a3, b3, beta=0), torch.addmv(bias[:, 0], a, b[:, 0], beta=0))
+
+    nan = float("nan")
+    check_eager(program, torch.tensor([[nan], [-float("inf")]]), torch.ones(2, 2),
+                torch.ones(2, 1), torch.full((1, 1, 1), nan), torch.ones(1, 1, 1),
+                torch.ones(1, 1, 1))
+
+
+def test_sign_of_nan_is_zero():
+    x = torch.tensor([float("nan"), -0.0, 2.0, -1.0])
+    check_eager(lambda x: (torch.sign(x), torch.sgn(x), torch.sign(torch.outer(x, x))), x)
+
+
+def test_unfold_of_a_0_dim_tensor():
+    check_eager(lambda x: (torch.unfold_copy(x, 0, 0, 1), x.unfold(0, 1, 1)), torch.tensor(1.5))
+
+
+def test_addmm_with_alpha_0_ignores_nan_in_the_product():
+    """As ATen's addmm, addmv and addbmm (BLAS with alpha 0) do; its baddbmm keeps the NaN."""
+    def program(bias, a, b, a3, b3):
+        return (torch.addmm(bias, a, b, alpha=0.0), torch.addmv(bias[:, 0], a, b[:, 0], alpha=0),
+                torch.addbmm(bias, a3, b3, alpha=0), torch.baddbmm(bias[None], a3, b3, alpha=0.0),
+                torch.addmm(bias, a, b, alpha=2.0, beta=0.5))
+
+    nan = float("nan")
+    check_eager(program, torch.ones(1, 1), torch.tensor([[nan]]), torch.ones(1, 1),
+                torch.full((1, 1, 1), nan), torch.ones(1, 1, 1))
+
+
+def test_integer_arange_with_float_bounds():
+    """ATen converts the bounds and step of an integer arange to integers before sizing it."""
+    for args in [(-1.1920928955078125e-07, 6, 2), (-1.5, 4.5, 1.5), (-0.5, -4, -1.5), (2.7,)]:
+        want = torch.arange(*args, dtype=torch.int64)
+        got = torch.arange(*args, dtype=torch.int64, device=xshard.device())
+        torch.testing.assert_close(got.cpu(), want)
+
+
+def test_threshold_of_integers_compares_in_their_dtype():
+    x = torch.tensor([0, 1, 2, -1])
+    check_eager(lambda x: (torch.nn.functional.threshold(x, 1.9, -2),
+                           torch.nn.functional.threshold(x, -1.9e-06, -2.0)), x)
+
+
+def test_foreach_in_place_over_a_list_sharing_storage_updates_in_order():
+    def program(t, v, w, u, a, b):
+        torch._foreach_sub_([t, t, t], [0.0, 1, 0.0])
+        torch._foreach_log_([v, v])
+        torch._foreach_add_([w[:2], w[1:3], u], [u, u, u], alpha=2)
+        torch._foreach_div_([a, b], [a, a])  # b reads a after a's update
+        return t, v, w, u, a, b
+
+    check_eager(program, torch.zeros(1, 2), torch.full((2,), 3.0), torch.arange(4.0),
+                torch.ones(2), torch.zeros(1), torch.ones(1))
+
+
+def test_bool_times_or_over_non_finite_values_is_nan():
+    """XLA rewrites convert(pred) * y as select(pred, y, 0): False * inf must stay NaN."""
+    def program(m, x, n):
+        return m * x, m.float() * x, m / n, torch.true_divide(m, n), x * m
+
+    check_eager(program, torch.tensor([False, True, False]),
+                torch.tensor([float("inf"), 2.0, float("nan")]), torch.tensor([False]))
+
+
+def test_bool_scalar_factors_are_numbers_too():
+    """value=False is 0, and 0 * NaN is NaN (not XLA's select(False, ..., 0))."""
+    def program(x, z):
+        return torch.addcdiv(z, z, z, value=False), torch.addcmul(z, x, x, value=False)
+
+    check_eager(program, torch.tensor([float("inf")]), torch.tensor([0.0]))
+
+
+def test_igamma_at_infinity():
+    inf = float("inf")
+    a, x = torch.tensor([inf, inf, 1.0, inf, 2.0]), torch.tensor([1.0, inf, inf, 0.0, 0.5])
+    check_eager(lambda a, x: (torch.igamma(a, x), torch.igammac(a, x)), a, x)
+
+
+def test_gather_with_an_empty_index_of_another_rank():
+    check_eager(lambda x, i: torch.gather(x, 0, i), torch.tensor([0.0]),
+                torch.zeros((1, 0), dtype=torch.int64))
+
+
+def test_foreach_norm_with_each_order():
+    def program(a, b):
+        return [torch._foreach_norm([a, b], p) for p in (0.0, 1, 2.0, float("inf"))]
+
+    check_eager(program, torch.tensor([0.0, -1.5, 2.0]), torch.tensor([[3.0, 0.0]]))
+
+
+def test_floor_division_and_remainder_of_floats_as_aten():
+    """Python's floor division (0.5 // -inf is -1, 5 // 0.1 is 49), zeros signed as ATen signs
+    them (seen through signbit)."""
+    a = torch.tensor([0.5, -0.5, 3.0, -3.0, 0.0, -0.0, 5.0, 1e30, 7.0, -0.25, 0.0])
+    b = torch.tensor([-float("inf"), float("inf"), 0.0, -0.0, -2.0, 2.0, 0.1, 3.0, -2.0, -1.0,
+                      -2.0])
+
+    def program(a, b):
+        q, r = torch.floor_divide(a, b), torch.remainder(a, b)
+        return q, r, torch.signbit(q), torch.signbit(r), torch.div(a, b, rounding_mode="floor")
+
+    check_eager(program, a, b)
+
+
+def test_adaptive_pooling_to_size_0():
+    check_eager(lambda x: torch.nn.functional.adaptive_avg_pool1d(x, 0), torch.zeros(1, 1))
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "linspace/logspace with tensor bounds on the device: PyTorch's reference (the decomposition "
+    "xshard runs) builds a CPU tensor and mixes it with the device bounds (DeviceMismatchError)"))
+def test_linspace_with_device_tensor_bounds():
+    start, end = torch.tensor(0.0), torch.tensor(2.0)
+    check_eager(lambda s, e: (torch.linspace(s, e, 3), torch.logspace(s, e, 3, 2.0)), start, end)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "log_softmax of an empty bool tensor: eager returns an empty tensor; xshard runs PyTorch's "
+    "decomposition, which subtracts bools and raises"))
+def test_log_softmax_of_an_empty_bool_tensor():
+    check_eager(lambda x: torch.log_softmax(x, 0), torch.zeros((1, 1, 0), dtype=torch.bool))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "PyTorch's meta kernel of pow.Tensor_Scalar(bool tensor, bool) reports int64 where its CPU "
+    "kernel returns bool; xshard takes result dtypes from meta kernels"))
+def test_pow_of_bools_keeps_bool():
+    check_eager(lambda x: torch.pow(x, False), torch.tensor([False, True]))
