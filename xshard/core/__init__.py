@@ -24,7 +24,9 @@ multi-process       ``divergence`` (every process checks the others run the same
                     data before it runs), ``arrays`` (global arrays from and to the host without
                     hidden collectives)
 compilation         ``compiler`` (the interpreter, ``jax.jit``, compiler options, the cache)
-execution           ``execute`` (sync, evaluate, wait, reads, placement, compile-only)
+execution           ``capture`` (while ``xshard.compile`` records a whole step: reads, CPU ops and
+                    syncs are handed to it), ``execute`` (sync, evaluate, wait, reads, placement,
+                    compile-only)
 ==================  =================================================================================
 
 Around them: ``barrier``, ``attention`` and ``rnn`` (device ops built from the above), ``autocast``
@@ -35,7 +37,7 @@ executable names, the XSHARD_DEBUG report: hooks that recording, compilation and
 Imports point one way: a module imports only modules of a lower rank in this order (checked by
 tests/core/test_layout.py), so a module can be read knowing only those below it:
 runtime, distributed, dtypes, padding, metrics, trace, ir, cells, lowering, graph, divergence, arrays,
-compiler, execute, rng, backend, ops, record, transfer, fallback, tensor, device, barrier,
+compiler, capture, execute, rng, backend, ops, record, transfer, fallback, tensor, device, barrier,
 attention, rnn, autocast, debug, api. Recording comes after execution in this order because reading
 a value (``t.item()``) runs pending work.
 """
