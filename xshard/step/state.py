@@ -148,6 +148,22 @@ class CellSlot(Slot):
         self.cell.cell_contents = value
 
 
+class HeldSlot(Slot):
+    """A device tensor given in ``xshard.compile(..., state=)``: always that tensor object (the
+    step updates it in place)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, key, name, tensor):
+        self.key, self.name, self.tensor = key, name, tensor
+
+    def get(self):
+        return self.tensor
+
+    def set(self, value) -> None:
+        raise AssertionError("a tensor given as state is updated in place, never replaced")
+
+
 class ArgSlot(Slot):
     """Leaf ``index`` of the flattened ``(args, kwargs)`` of the current call."""
 
@@ -175,6 +191,7 @@ class Roots:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.cells: list = []  # (closure cell, name) holding a device tensor
         self.globals: list = []  # (globals dict, name) holding a device tensor
+        self.tensors: list = []  # (device tensor, name) given as state=
         self._seen: set = set()
 
     def add(self, obj, depth: int = 0) -> None:
@@ -203,8 +220,11 @@ class Roots:
 def find_roots(fn, extra=()) -> Roots:
     """Modules, optimizers and device tensors reachable from ``fn`` (see the module docstring)."""
     roots = Roots()
-    for obj in extra:
-        roots.add(obj)
+    for k, obj in enumerate(extra):
+        if api.is_device_tensor(obj):
+            roots.tensors.append((obj, f"state[{k}]"))
+        else:
+            roots.add(obj)
     seen_fns: set = set()
 
     def visit(f):
@@ -296,6 +316,10 @@ def state_slots(roots: Roots) -> list[Slot]:
                     params[id(p)] = (p, name)
     for cell, name in roots.cells:
         slots.append(CellSlot(("cell", id(cell)), name, cell))
+    for t, name in roots.tensors:
+        slots.append(HeldSlot(("held", id(t)), name, t))
+        if t.requires_grad and id(t) not in params:
+            params[id(t)] = (t, name)
     for mapping, name in roots.globals:
         slots.append(DictSlot(("global", id(mapping), name), name, mapping, name))
     for p, name in params.values():
