@@ -66,9 +66,11 @@ def manual_seed(seed: int) -> None:
 
 from xshard import memory  # noqa: E402  (per-device memory and FLOPs of a step)
 from xshard import profiler  # noqa: E402  (traces: xshard.profiler.start_trace, Trace, StepTrace)
+from xshard.step import compile  # noqa: E402,A001  (a whole step traced once: xshard.compile)
 
 __all__ = ["device", "devices", "device_count", "process_index", "process_count", "initialize",
            "local_device_count", "is_main_process", "InitializationError",
            "MultiProcessDivergenceError", "MultiProcessTimeoutError",
            "sync", "mark_step", "wait", "manual_seed", "metrics", "debug", "runtime",
-           "optimization_barrier", "optimization_barrier_", "compile_only", "memory", "profiler"]
+           "optimization_barrier", "optimization_barrier_", "compile_only", "memory", "profiler",
+           "compile"]

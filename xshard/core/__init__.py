@@ -26,7 +26,8 @@ multi-process       ``divergence`` (every process checks the others run the same
 placement           ``placement`` (the default layout; one device assignment per graph, its inputs
                     moved onto it; results back in the default order; data moved between meshes)
 compilation         ``compiler`` (the interpreter, ``jax.jit``, compiler options, the cache)
-execution           ``execute`` (sync, evaluate, wait, reads, compile-only)
+execution           ``capture`` (while ``xshard.compile`` records a whole step: reads, CPU ops and
+                    syncs are handed to it), ``execute`` (sync, evaluate, wait, reads, compile-only)
 ==================  =================================================================================
 
 Around them: ``barrier``, ``attention`` and ``rnn`` (device ops built from the above), ``autocast``
@@ -37,8 +38,8 @@ executable names, the XSHARD_DEBUG report: hooks that recording, compilation and
 Imports point one way: a module imports only modules of a lower rank in this order (checked by
 tests/core/test_layout.py), so a module can be read knowing only those below it:
 runtime, distributed, dtypes, metrics, trace, ir, padding, cells, lowering, graph, divergence, arrays,
-placement, compiler, execute, rng, backend, ops, record, transfer, fallback, tensor, device, barrier,
-attention, rnn, autocast, debug, api. Recording comes after execution in this order because reading
+placement, compiler, capture, execute, rng, backend, ops, record, transfer, fallback, tensor, device,
+barrier, attention, rnn, autocast, debug, api. Recording comes after execution in this order because reading
 a value (``t.item()``) runs pending work.
 """
 

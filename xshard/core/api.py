@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from xshard.core import cells, execute, ir, padding, placement, transfer
+from xshard.core import capture, cells, compiler, execute, ir, padding, placement, transfer
+from xshard.core.backend import DEVICE_TYPE
 from xshard.core.tensor import XTensor, new_base
 
-__all__ = ["XTensor", "is_device_tensor", "value", "write", "is_view", "storage", "annotation",
-           "set_annotation", "new_tensor", "alias", "view_spec", "view_of", "settled",
-           "storage_data", "array", "sync", "evaluate", "to_cpu", "upload", "data_node",
-           "constrain", "default_sharding", "error", "relayout", "upload_annotated", "pad_host",
-           "crop_host", "pad_node", "crop_node"]
+__all__ = ["XTensor", "DEVICE_TYPE", "is_device_tensor", "value", "write", "is_view", "storage",
+           "annotation", "set_annotation", "new_tensor", "alias", "view_spec", "view_of",
+           "settled", "storage_data", "array", "sync", "evaluate", "to_cpu", "upload", "data_node",
+           "data_node_maker", "constrain", "default_sharding", "error", "relayout",
+           "upload_annotated", "pad_host", "crop_host", "pad_node", "crop_node", "storage_value",
+           "write_storage", "live_storages", "pending_storages", "quarantine", "executable",
+           "placed"]
 
 
 def is_device_tensor(x) -> bool:
@@ -116,6 +119,7 @@ def array(t: XTensor):
         raise ValueError("array() reads a base tensor's storage; this tensor is a view. Read "
                          "t.clone(), or the base tensor.")
     if not cells.settled(t._cell.value):
+        capture.check_read("reading a tensor's device array")
         execute.sync()
     node = t._cell.value
     if node.op is ir.PARTIAL_SUM:
@@ -151,6 +155,12 @@ def data_node(array, shape, dtype) -> ir.Node:
     return ir.data_node(array, tuple(shape), dtype, getattr(array, "sharding", None))
 
 
+def data_node_maker(shape, dtype, sharding):
+    """A function ``array -> data_node(array, shape, dtype)`` for arrays laid out as ``sharding``
+    (a jax sharding), faster than ``data_node`` when many such nodes are made."""
+    return ir.data_node_maker(tuple(shape), dtype, sharding)
+
+
 def constrain(node: ir.Node, annotation) -> ir.Node:
     """``node`` constrained to be laid out as ``annotation`` says at this point of the graph."""
     return ir.constrain(node, annotation.jax_sharding)
@@ -182,3 +192,48 @@ pad_host = padding.pad_host
 crop_host = padding.crop_host
 pad_node = padding.pad_node
 crop_node = padding.crop_node
+
+
+
+# -- storages and whole programs (xshard.step records a step once and replays its program) --------
+
+
+def storage_value(storage) -> ir.Node:
+    """The IR node a storage (``storage(t)``) holds: its base tensor's value."""
+    return storage.value
+
+
+def write_storage(storage, node: ir.Node) -> None:
+    """Writes ``node`` (of the storage's shape and dtype) into a storage, for every tensor on it."""
+    storage.write(node)
+
+
+def live_storages() -> list:
+    """Every storage some tensor still references."""
+    return cells.live_cells()
+
+
+def pending_storages() -> list:
+    """The storages whose value a sync would compute (not those left out with an error), in
+    creation order."""
+    return [c for c in cells.pending_cells() if c.error is None]
+
+
+def quarantine(storage, error: Exception) -> None:
+    """Leaves a storage's pending value out of every later sync; reading it raises ``error``."""
+    storage.error = error
+
+
+def executable(graph, donate: tuple = ()):
+    """The executable (``xshard.core.compiler.Executable``) of ``graph`` (an
+    ``xshard.core.graph.Graph``), from the cache or compiled now (counted in metrics); ``donate``:
+    input positions whose buffers it may take, for that compilation. Raises when an input has no
+    data (``compile_only()``)."""
+    execute._check_runnable(graph)
+    return compiler.executable(graph, donate)
+
+
+def placed(array):
+    """A result array where a sync would store it (replicated over every device when it came out
+    on one device of several)."""
+    return execute._placed(array)

@@ -205,16 +205,19 @@ def _peek_uploads() -> str:
 # -- the check -------------------------------------------------------------------------------------
 
 
-def before_run(exe, graph, kind: str = "sync") -> None:
+def before_run(exe, graph, kind: str = "sync", scalars=None) -> None:
     """Before ``exe`` runs ``graph``: checks every process runs the same program on equal uploads.
 
     A sync's pending step is rebuilt once after garbage collection if the programs differ (see
-    [Note: the sync check]); ``retry_after_gc`` on the caller does that.
+    [Note: the sync check]); ``retry_after_gc`` on the caller does that. ``scalars``: for a program
+    run again on other numbers than its graph's (a compiled step's replay, see xshard.step), a
+    function returning the Python numbers it runs on now, called only when processes compare.
     """
     if not _enabled():
         return
+    numbers = _scalars(graph) if scalars is None else [_scalar_text(v) for v in scalars()]
     entry = {"p": exe.digest or "unknown", "k": kind, "o": _op_count(graph),
-             "v": text_digest("|".join(_scalars(graph)))}
+             "v": text_digest("|".join(numbers))}
     _check(entry, lambda: _describe_graph(graph), rebuild=kind == "sync")
 
 
@@ -354,8 +357,11 @@ def _scalars(graph) -> list[str]:
     stream's seed and position...), exactly, with their types."""
     from xshard.core import ir
 
-    return [f"{type(n.payload).__name__}:{n.payload!r}" for n in graph.inputs
-            if n.op is ir.SCALAR]
+    return [_scalar_text(n.payload) for n in graph.inputs if n.op is ir.SCALAR]
+
+
+def _scalar_text(value) -> str:
+    return f"{type(value).__name__}:{value!r}"
 
 
 def _describe_graph(graph) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from xshard.core import arrays, compiler, divergence, ir, runtime, trace
+from xshard.core import arrays, capture, compiler, divergence, ir, runtime, trace
 from xshard.core.cells import live_cells, pending_cells, settled, stored
 from xshard.core.compiler import input_values
 from xshard.core.dtypes import numpy_to_torch, to_numpy_dtype, torch_to_numpy
@@ -119,15 +119,23 @@ class PendingStep:
         pending = pending_cells()
         self.cells = [c for c in pending if not c.value.manual and c.error is None]
         left_out = [c for c in pending if c.value.manual or c.error is not None]
-        outputs, seen, self.owners = [], {}, []
-        for c in self.cells:
-            key = (id(c.value), c.sharding)
-            if key not in seen:
-                seen[key] = len(outputs)
-                outputs.append(_output(c.value, c.sharding))
-            self.owners.append(seen[key])
+        outputs, self.owners = result_nodes([(c.value, c.sharding) for c in self.cells])
         self.graph = Graph(outputs)
         self.donate = _donatable(self.graph, left_out)
+
+
+def result_nodes(values) -> tuple[list, list]:
+    """What a graph computes to store each ``(pending value, annotation)`` pair as a sync stores a
+    cell's value (see ``_output``), deduplicated: the output nodes, and per pair the position of
+    its output. xshard.step builds a compiled step's outputs with it."""
+    outputs, seen, owners = [], {}, []
+    for value, annotation in values:
+        key = (id(value), annotation)
+        if key not in seen:
+            seen[key] = len(outputs)
+            outputs.append(_output(value, annotation))
+        owners.append(seen[key])
+    return outputs, owners
 
 
 def _output(value: ir.Node, annotation) -> ir.Node:
@@ -171,8 +179,6 @@ def pending_step() -> PendingStep:
 # -- running ---------------------------------------------------------------------------------------
 
 
-@trace.phased(trace.SYNC)
-@divergence.retry_after_gc
 def sync(wait: bool = False, abstract: bool = False) -> int:
     """Compiles (or reuses) and dispatches one graph computing every pending live tensor; returns
     how many storages it computed.
@@ -180,7 +186,18 @@ def sync(wait: bool = False, abstract: bool = False) -> int:
     ``abstract=True`` (under ``compile_only()``): runs nothing; every pending value becomes data
     without data (a ``jax.ShapeDtypeStruct``) laid out as its tensor's annotation says, or
     replicated when it has none, as a real step would leave it (see xshard.memory.abstract_sync).
+
+    Inside a capture (xshard.core.capture: a step being recorded by ``xshard.compile``) it does
+    nothing: the whole step becomes one graph.
     """
+    if capture.skips_sync():
+        return 0
+    return _sync(wait, abstract)
+
+
+@trace.phased(trace.SYNC)
+@divergence.retry_after_gc
+def _sync(wait: bool, abstract: bool) -> int:
     with trace.phase(trace.BUILD_GRAPH):
         step = PendingStep()
     if not step.cells:
@@ -267,6 +284,7 @@ def _quarantine(cells, error) -> None:
 
 def evaluate(nodes) -> list:
     """Computes ``nodes`` without binding the results to any tensor (no donation)."""
+    capture.check_read("computing a value before the step ends")
     graph = Graph(list(nodes))
     _check_runnable(graph)
     exe = compiler.executable(graph)
@@ -286,6 +304,7 @@ def wait_all() -> None:
 def to_cpu(t) -> torch.Tensor:
     """The value of xshard tensor ``t`` as a CPU tensor; runs pending work first (one graph, like
     ``sync()``). A tensor whose step failed raises that step's error."""
+    capture.check_read("reading a tensor's value (.item(), .cpu(), print, bool(), ...)")
     cell = t._cell
     if cell.error is None and not settled(cell.value):
         sync()

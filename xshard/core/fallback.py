@@ -11,7 +11,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map
 
-from xshard.core import metrics
+from xshard.core import capture, metrics
 from xshard.core.backend import DEVICE_TYPE
 from xshard.core.cells import LazyTensor, contiguous_strides
 from xshard.core.execute import to_cpu, upload_node
@@ -23,6 +23,7 @@ _WARNED: set = set()
 def cpu_fallback(func, args, kwargs, new_tensor):
     """Runs ``func`` on CPU copies of the inputs; results come back as device tensors made by
     ``new_tensor(node, stride)``, arguments it writes are written back."""
+    capture.check_fallback(func)  # a step being recorded by xshard.compile refuses it
     metrics.count_fallback(str(func))
     if id(func) not in _WARNED:
         _WARNED.add(id(func))

@@ -220,6 +220,24 @@ def data_node(array, shape, dtype, sharding=None) -> Node:
     return node
 
 
+def data_node_maker(shape, dtype, sharding):
+    """``array -> data_node(array, shape, dtype, sharding)`` for arrays of one shape, dtype and
+    sharding, with the node's key computed once (a compiled step stores the same outputs on every
+    call; see xshard.step)."""
+    proto = data_node(None, shape, dtype, sharding)
+    shape, sharding, key = proto.shape, proto.sharding, proto.key
+    new = object.__new__
+
+    def make(array) -> Node:
+        node = new(Node)
+        node.op, node.inputs, node.template, node.shape, node.dtype = DATA, (), None, shape, dtype
+        node.outputs, node.payload, node.sharding, node.key = None, array, sharding, key
+        node.manual, node.holders, node.placed = False, 0, None
+        return node
+
+    return make
+
+
 # Equivalent jax shardings (a NamedSharding and the GSPMDSharding XLA hands back for the same
 # layout) compare unequal; a data node keeps one representative per layout so that the graph key,
 # and with it the executable cache, does not change between steps that lay data out the same way.

@@ -53,6 +53,27 @@ def next_key() -> ir.Node:
                    torch.uint32)
 
 
+def position() -> tuple[int, int]:
+    """The stream's state as ``(seed, counter)``: the next random op draws at ``counter``."""
+    _ensure_seeded()
+    return _STATE["seed"], _STATE["counter"]
+
+
+def advance(n: int) -> tuple[int, int]:
+    """Takes the next ``n`` draws at once (a compiled step's, see xshard.step): returns
+    ``(seed, counter)`` before them; the k-th draw is at ``counter + k``."""
+    if _STATE["seed"] is None:
+        _ensure_seeded()
+    counter = _STATE["counter"]
+    _STATE["counter"] = counter + n
+    return _STATE["seed"], counter
+
+
+def set_position(seed: int, counter: int) -> None:
+    """Sets the stream's state to ``(seed, counter)`` (as ``position`` returns it)."""
+    _STATE["seed"], _STATE["counter"] = int(seed) & _MASK, int(counter)
+
+
 def get_state() -> torch.Tensor:
     """The stream's state as a CPU ``uint8`` tensor of 16 bytes (seed and counter)."""
     _ensure_seeded()

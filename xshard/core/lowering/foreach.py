@@ -66,6 +66,14 @@ for _ov in ("Scalar", "ScalarList", "Tensor"):
 rule(aten._foreach_copy.default)(_foreach(_copy, 2))
 
 
+# ``_foreach_pow.ScalarAndTensor(scalar, exponents)`` raises one scalar to each tensor of a list
+# (the capturable Adam family computes its bias corrections ``beta ** step`` so): its first argument
+# is not the list, unlike the overloads registered above.
+@rule(aten._foreach_pow.ScalarAndTensor)
+def _foreach_scalar_pow(base, exponents):
+    return [_pow(base, e) for e in exponents]
+
+
 @rule(aten._foreach_norm.Scalar)
 def _foreach_norm(tensors, ord=2, dtype=None):
     return [_vector_norm(t, ord, None, False, dtype) for t in tensors]

@@ -1,0 +1,213 @@
+"""What xshard.compile refuses, with a message naming the op or the user's line; the state is left
+as it was, and the same function still runs on the lazy path."""
+
+import pytest
+import torch
+
+import xshard
+from compile_testing import DEV, MLP, make_batches
+from xshard.step import CaptureError, CompileError, StateError
+
+
+@pytest.fixture
+def trained():
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = (t.to(DEV) for t in make_batches("mlp", 1)[0])
+    return model, opt, x, y
+
+
+def item_inside(model, opt, x, y):
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(f"loss {loss.item():.3f}")  # the offending line
+    return loss
+
+
+def branch_on_value(model, opt, x, y):
+    loss = model(x, y)
+    if loss > 1:  # the offending line
+        loss = loss * 2
+    return loss
+
+
+def print_tensor(model, opt, x, y):
+    h = model.fc1(x)
+    print(h)  # the offending line
+    return model(x, y)
+
+
+def op_without_rule(model, opt, x, y):
+    h = model.fc1(x)
+    return torch.linalg.eigvals(h[:4, :4])  # the offending line
+
+
+def cpu_read(model, opt, x, y):
+    return model(x, y).cpu()  # the offending line
+
+
+@pytest.mark.parametrize("fn,match", [
+    (item_inside, r"reading a tensor's value .* at .*test_compile_errors.py:\d+: print\(f\"loss"),
+    (branch_on_value, r"reading a tensor's value .* at .*test_compile_errors.py:\d+: if loss > 1:"),
+    (print_tensor, r"reading a tensor's value .* at .*test_compile_errors.py:\d+: print\(h\)"),
+    (op_without_rule, r"aten.linalg_eig.default has no lowering rule \(at .*test_compile_errors.py:\d+"),
+    (cpu_read, r"reading a tensor's value .* at .*test_compile_errors.py:\d+: return model\(x, y\).cpu"),
+], ids=["item", "branch", "print", "no_rule", "cpu"])
+def test_refused_and_lazy_path_still_works(trained, fn, match):
+    model, opt, x, y = trained
+    before = [p.cpu() for p in model.parameters()]
+    with pytest.raises(CaptureError, match=match):
+        xshard.compile(fn)(model, opt, x, y)
+    # Nothing changed: parameters, gradients, optimizer state.
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.cpu(), b)
+        assert p.grad is None
+    assert len(opt.state) == 0
+    # The lazy path runs the same function (the CPU op through its fallback).
+    with pytest.warns(UserWarning) if fn is op_without_rule else _nothing():
+        out = fn(model, opt, x, y)
+    xshard.sync()
+    assert torch.isfinite(torch.as_tensor(out.cpu() if hasattr(out, "cpu") else out)).all()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_scheduler_inside_the_step(trained):
+    model, opt, x, y = trained
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        return loss
+
+    with pytest.raises(StateError, match=r"changed the learning rate of param group 0 .*call "
+                                         r"scheduler.step\(\) outside it"):
+        xshard.compile(step)(x, y)
+    assert opt.param_groups[0]["lr"] != opt.param_groups[0]["lr"] * 2  # a float again
+    assert isinstance(opt.param_groups[0]["lr"], float)
+
+
+def test_hyperparameter_changed_inside_the_step(trained):
+    model, opt, x, y = trained
+
+    def step(x, y):
+        opt.param_groups[0]["momentum"] = 0.5
+        return model(x, y)
+
+    with pytest.raises(StateError, match=r"changed optimizer param_groups\[0\]\['momentum'\] "
+                                         r"from 0.9 to 0.5"):
+        xshard.compile(step)(x, y)
+
+
+def test_tensor_kept_outside_the_step(trained):
+    model, opt, x, y = trained
+    kept = []
+
+    @xshard.compile
+    def step(x, y):
+        h = model.fc1(x)
+        kept.append(h * 2)  # neither state nor a result
+        return model(x, y)
+
+    with pytest.warns(UserWarning, match=r"keeps 1 tensor\(s\) it computed outside the model, "
+                                         r"optimizer and return value \(shapes \[8, 16\]\)"):
+        step(x, y)
+    with pytest.raises(StateError, match="kept outside the step's model, optimizer and return "
+                                         "value"):
+        kept[0].cpu()
+
+
+def test_compiled_step_inside_another(trained):
+    model, opt, x, y = trained
+    inner = xshard.compile(lambda x, y: model(x, y))
+
+    with pytest.raises(CompileError, match="called inside another compiled step"):
+        xshard.compile(lambda x, y: inner(x, y))(x, y)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="xshard.compile needs a callable"):
+        xshard.compile(3)
+    with pytest.raises(TypeError, match="static_argnums must be non-negative ints"):
+        xshard.compile(lambda x: x, static_argnums=(-1,))
+    with pytest.raises(TypeError, match="static_argnames must be keyword-argument names"):
+        xshard.compile(lambda x: x, static_argnames=(1,))
+
+
+def test_sync_inside_is_a_no_op(trained):
+    model, opt, x, y = trained
+
+    @xshard.compile
+    def step(x, y):
+        loss = model(x, y)
+        xshard.sync()
+        return loss
+
+    with pytest.warns(UserWarning, match="xshard.sync\\(\\) inside a compiled step does nothing"):
+        loss = step(x, y)
+    torch.testing.assert_close(loss.cpu(), model(x, y).cpu())
+
+
+def test_fsdp_no_sync_gradients_refused():
+    from xshard.fsdp import FSDP
+
+    torch.manual_seed(0)
+    model = FSDP(MLP())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = (t.to(DEV) for t in make_batches("mlp", 1)[0])
+    with model.no_sync():
+        model(x, y).backward()
+    xshard.sync()
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with pytest.raises(StateError, match="partial sums .*FSDP.no_sync"):
+        xshard.compile(step)(x, y)
+    step(x, y)  # the lazy path reduces them
+    xshard.sync()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_constant_device_tensor_warns(trained):
+    model, opt, x, y = trained
+    holder = {"offset": torch.ones(4, device=DEV)}  # not a buffer, not an argument
+
+    @xshard.compile
+    def forward(x):
+        return model.fc2(torch.tanh(model.fc1(x))) + holder["offset"]
+
+    with pytest.warns(UserWarning, match=r"reads 1 device tensor\(s\) that are not arguments.*"
+                                         r"shapes \[4\]"):
+        forward(x)
+
+
+def test_number_used_as_a_number(trained):
+    model, opt, x, y = trained
+
+    def repeat(x, n):
+        for _ in range(n):  # n is a 0-d tensor inside the step
+            x = torch.tanh(x)
+        return x
+
+    with pytest.raises(CaptureError, match="make it static"):
+        xshard.compile(repeat)(x, 2)
+    out = xshard.compile(repeat, static_argnums=1)(x, 2)
+    torch.testing.assert_close(out.cpu(), torch.tanh(torch.tanh(x)).cpu())

@@ -1,0 +1,214 @@
+"""How often a compiled step is recorded and compiled: once for a steady training loop (learning
+rate changes included), again for a new input shape or a new program, with a log line saying what
+changed; and no Python of the step runs on a replay."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import xshard
+from compile_testing import DEV, MLP, make_batches
+
+LOG = "xshard"
+
+
+def setup(lr=0.1, momentum=0.9):
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    return model, opt
+
+
+def step_of(model, opt, counter=None):
+    def train_step(x, y):
+        if counter is not None:
+            counter.append(1)  # Python: runs only while the step is recorded
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return xshard.compile(train_step)
+
+
+def prime(model, opt, data):
+    """One lazy step: the optimizer state exists, as after any first step."""
+    x, y = data[0]
+    model(x.to(DEV), y.to(DEV)).backward()
+    opt.step()
+    opt.zero_grad()
+    xshard.sync()
+
+
+def test_one_recording_and_one_compile_over_ten_steps():
+    model, opt = setup()
+    data = make_batches("mlp", 11)
+    prime(model, opt, data)
+    counter = []
+    step = step_of(model, opt, counter)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)  # a new rate every step
+    before = xshard.metrics.snapshot()
+    for x, y in data[1:]:
+        step(x.to(DEV), y.to(DEV))
+        sched.step()
+    xshard.sync()
+    after = xshard.metrics.snapshot()
+    assert step.traces == 1 and step.calls == 10 and step.retrace_reasons == []
+    assert len(counter) == 1  # the function's Python ran once
+    # One graph compiled (the step), one execution per call, no lazy work left to sync.
+    assert after["compiles"] - before["compiles"] == 1
+    assert after["executions"] - before["executions"] == 10
+    assert after["cpu_fallbacks"] == before["cpu_fallbacks"]
+
+
+def test_fresh_optimizer_records_twice_then_never(caplog):
+    model, opt = setup()
+    data = make_batches("mlp", 10)
+    step = step_of(model, opt)
+    with caplog.at_level(logging.INFO, logger=LOG):
+        step(*(t.to(DEV) for t in data[0]))
+        step(*(t.to(DEV) for t in data[1]))
+    assert step.traces == 2
+    assert "parameters with state in a SGD: 0 -> 4" in caplog.text
+    before = xshard.metrics.snapshot()["compiles"]
+    for x, y in data[2:]:
+        step(x.to(DEV), y.to(DEV))
+    assert step.traces == 2
+    assert xshard.metrics.snapshot()["compiles"] == before
+
+
+def test_new_shape_records_again_and_old_shape_reuses(caplog):
+    model, opt = setup()
+    data = make_batches("mlp", 3)
+    prime(model, opt, data)
+    step = step_of(model, opt)
+    x, y = (t.to(DEV) for t in data[1])
+    step(x, y)
+    with caplog.at_level(logging.INFO, logger=LOG):
+        step(x[:5], y[:5])
+    assert step.traces == 2
+    assert "argument 0: shape tensor[8, 8] float32" in caplog.text
+    assert "-> tensor[5, 8] float32" in caplog.text
+    compiles = xshard.metrics.snapshot()["compiles"]
+    step(x, y)  # the first program is kept
+    step(x[:5], y[:5])
+    assert step.traces == 2
+    assert xshard.metrics.snapshot()["compiles"] == compiles
+
+
+def test_program_changes_record_again(caplog):
+    model, opt = setup()
+    data = make_batches("mlp", 8)
+    prime(model, opt, data)
+    step = step_of(model, opt)
+    batches = [tuple(t.to(DEV) for t in b) for b in data]
+    step(*batches[1])
+    with caplog.at_level(logging.INFO, logger=LOG):
+        opt.param_groups[0]["momentum"] = 0.5  # a hyper-parameter that shapes the program
+        step(*batches[2])
+        opt.param_groups[0]["momentum"] = 0.9
+        step(*batches[3])  # the first program again
+        model.eval()
+        step(*batches[4])
+        model.train()
+        step(*batches[5])  # the first program again
+        extra = torch.zeros(3, device=DEV, requires_grad=True)
+        opt.add_param_group({"params": [extra], "lr": 0.01})
+        step(*batches[6])
+    assert step.traces == 4, step.retrace_reasons
+    assert step.retrace_reasons == ["optimizer param_groups[0]['momentum']: 0.9 -> 0.5",
+                                    "MLP.training: True -> False",
+                                    "number of optimizer param groups: 1 -> 2"]
+    assert "recording the step again (recording 4): number of optimizer param groups" in \
+        caplog.text
+
+
+def test_grad_mode_is_part_of_the_guard():
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+
+    @xshard.compile
+    def evaluate(x, y):
+        return model(x, y)
+
+    x, y = (t.to(DEV) for t in make_batches("mlp", 1)[0])
+    with torch.no_grad():
+        a = evaluate(x, y)
+    b = evaluate(x, y)
+    assert evaluate.traces == 2 and evaluate.retrace_reasons == ["grad mode: False -> True"]
+    torch.testing.assert_close(a.cpu(), b.cpu())
+    torch.testing.assert_close(a.cpu(), model(x, y).cpu())
+
+
+def test_state_changed_between_calls_is_read():
+    """Parameters written lazily between calls (here scaled in place) are computed first and read
+    by the next call, with no new recording."""
+    data = make_batches("mlp", 3)
+    runs = []
+    for compiled in (False, True):
+        model, opt = setup(momentum=0.0)
+        step = step_of(model, opt) if compiled else None
+        losses = []
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                with torch.no_grad():
+                    model.fc1.weight.mul_(0.5)
+            if compiled:
+                losses.append(step(x.to(DEV), y.to(DEV)))
+            else:
+                loss = model(x.to(DEV), y.to(DEV))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss)
+        runs.append(([float(l.item()) for l in losses], model.fc1.weight.cpu()))
+    assert step.traces == 1
+    assert runs[1][0] == runs[0][0]
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-6, atol=1e-7)  # fusion: ulps
+
+
+@pytest.mark.parametrize("n", [0.5, 2.0])
+def test_python_number_argument_is_an_input(n):
+    model, opt = setup(momentum=0.0)
+    data = make_batches("mlp", 4)
+    prime(model, opt, data)
+
+    @xshard.compile
+    def scaled_step(x, y, scale):
+        loss = model(x, y) * scale
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    ref, ref_opt = setup(momentum=0.0)
+    prime(ref, ref_opt, data)
+    for i, (x, y) in enumerate(data[1:]):
+        scale = n * (i + 1)
+        loss = scaled_step(x.to(DEV), y.to(DEV), scale)
+        ref_loss = ref(x.to(DEV), y.to(DEV)) * scale
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.cpu(), ref_loss.cpu())
+    assert scaled_step.traces == 1
+    torch.testing.assert_close(model.fc1.weight.cpu(), ref.fc1.weight.cpu())
+
+
+def test_static_argument_records_per_value():
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+
+    @xshard.compile(static_argnames="activation")
+    def forward(x, activation):
+        return getattr(F, activation)(model.fc1(x))
+
+    x = torch.randn(4, 8).to(DEV)
+    torch.testing.assert_close(forward(x, activation="relu").cpu(), F.relu(model.fc1(x)).cpu())
+    torch.testing.assert_close(forward(x, activation="tanh").cpu(), torch.tanh(model.fc1(x)).cpu())
+    forward(x, activation="relu")
+    assert forward.traces == 2

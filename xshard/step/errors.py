@@ -1,0 +1,54 @@
+"""What a compiled step refuses, and where in the user's code it happened."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch
+
+
+class CompileError(RuntimeError):
+    """``xshard.compile`` cannot record or replay this step; the message says why and what to do."""
+
+
+class CaptureError(CompileError):
+    """The step needs a value, or a CPU op, while it is being recorded (values exist only once the
+    whole step has run)."""
+
+
+class StateError(CompileError):
+    """The step keeps state that a replay without Python cannot update."""
+
+
+# Frames inside these directories are library code; the user's line is the innermost frame outside.
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
+_XSHARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _is_library(filename: str) -> bool:
+    filename = os.path.abspath(filename)
+    if filename.startswith(_LIBRARY_DIRS):
+        return True
+    if filename.startswith(_XSHARD_DIR):
+        # xshard's own reference models are user code for this purpose.
+        return not filename.startswith(os.path.join(_XSHARD_DIR, "models") + os.sep)
+    return "/site-packages/" in filename or filename.startswith("<frozen")
+
+
+def user_line() -> str:
+    """``file:line (code)`` of the innermost frame of the current stack outside torch and xshard."""
+    for frame in reversed(traceback.extract_stack()):
+        if not _is_library(frame.filename):
+            code = f": {frame.line.strip()}" if frame.line else ""
+            return f"{frame.filename}:{frame.lineno}{code}"
+    return "<unknown line>"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _is_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2

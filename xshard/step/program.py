@@ -1,0 +1,466 @@
+"""A recorded step as a program: its executable, its guard, where its inputs and outputs live.
+
+``Program.check`` decides whether the program can run for this call (see [Note: the guard]);
+``Program.run`` reads the inputs from their places, takes the call's random draws from the stream
+(see [Note: random draws in a compiled step] in record.py), calls the executable and stores the
+results: the whole per-call work of a compiled step, with nothing recorded and no graph built. The
+call goes through what every execution does: the multi-process check (xshard.core.divergence),
+the ``xshard.execute`` span and the execution metrics (xshard.core.trace).
+
+[Note: the guard]
+A program was recorded for one form of the state: which slots held tensors, with which shapes,
+dtypes, shardings and ``requires_grad``; the optimizers' hyper-parameters (all but the learning
+rate); each module's ``training`` flag; the grad mode. A replay is right only if the state still
+has that form. Checking every tensor's form on every call would cost as much as the step's own
+dispatch, so the check is by identity: the program remembers the object it left in each slot and,
+for the storages it reads, the data node it wrote there. When both are unchanged (the common case:
+nothing touched the state between calls) the form is the one the program produced, which by
+construction is the one it reads. Anything else is compared in full, and an equal form is adopted.
+
+[Note: donation of replayed state]
+A program consumes (donates) the arrays of the state it overwrites, as a lazy sync does for buffers
+no live tensor holds. Between calls those arrays are held by the storages the program wrote them to,
+and by nothing else, unless the user made another tensor hold one (``ema.copy_(p)`` shares p's data
+node) or left pending work reading one. Both show as references beyond those counted when the
+program wrote the array, so such an input is passed as a fresh copy instead.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from xshard.core import api, arrays, divergence, ir, rng, runtime, trace
+from xshard.step import optim as optim_support
+from xshard.step import state as st
+
+_DATA = ir.DATA
+
+
+# -- the form of what a slot holds ----------------------------------------------------------------
+
+
+def spec_of(obj):
+    """What the guard compares for the object in a slot: None, a tensor's form, or a value."""
+    if obj is None:
+        return None
+    if api.is_device_tensor(obj):
+        node = api.storage_value(api.storage(obj))
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.requires_grad, api.is_view(obj),
+                tuple(node.shape), node.sharding if node.op is _DATA else "pending",
+                api.annotation(obj))
+    if isinstance(obj, torch.Tensor):
+        return ("host tensor", tuple(obj.shape), obj.dtype, id(obj), obj._version)
+    return ("value", Exact(obj))
+
+
+class Exact:
+    """A Python value compared by type and exact value (floats by bits; tensors by identity)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return type(other) is Exact and same_value(self.value, other.value)
+
+    def __hash__(self):
+        try:
+            return hash((type(self.value), self.value))
+        except TypeError:
+            return id(self.value)
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+def same_value(a, b) -> bool:
+    """``a`` and ``b`` have the same type and value (floats by bits, nan equal to nan)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a is b
+    if isinstance(a, float):
+        return a.hex() == b.hex() or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001  (a value without a plain ==)
+        return a is b
+
+
+def describe(spec) -> str:
+    if spec is None:
+        return "None"
+    if spec[0] == "tensor":
+        _, shape, dtype, grad, view, _, sharding, annotation = spec
+        text = f"tensor{list(shape)} {str(dtype).replace('torch.', '')}"
+        if grad:
+            text += " requires_grad"
+        if view:
+            text += " (a view)"
+        if annotation is not None:
+            text += f" {getattr(annotation, 'hlo_sharding', annotation)}"
+        elif sharding not in (None, "pending"):
+            text += f" {sharding}"
+        return text
+    if spec[0] == "host tensor":
+        return f"a host tensor{list(spec[1])}"
+    return repr(spec[1])
+
+
+_LABELS = ("", "shape", "dtype", "requires_grad", "view", "storage shape", "sharding",
+           "annotation")
+
+
+def difference(name: str, old, new) -> str:
+    """A log line: how ``name`` changed from form ``old`` to ``new``."""
+    if old is not None and new is not None and old[0] == new[0] == "tensor":
+        what = next((_LABELS[i] for i in range(1, len(old)) if old[i] != new[i]), "form")
+        return f"{name}: {what} {describe(old)} -> {describe(new)}"
+    return f"{name}: {describe(old)} -> {describe(new)}"
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+class Rate:
+    """A group's learning rate as the program's input: placed on the devices once per value."""
+
+    __slots__ = ("groups", "group", "dtype", "sharding", "value", "placed")
+
+    def __init__(self, optimizer, group, dtype, sharding):
+        self.groups, self.group = optimizer.param_groups, group
+        self.dtype, self.sharding = dtype, sharding
+        self.value = self.placed = None
+
+    def array(self):
+        lr = self.groups[self.group]["lr"]
+        if lr is not self.value:
+            self.placed = arrays.put(np.asarray(optim_support.host_rate(lr), self.dtype),
+                                     self.sharding, "a learning rate")
+            self.value = lr
+        return self.placed
+
+    def host(self) -> float:
+        return optim_support.host_rate(self.groups[self.group]["lr"])
+
+
+def _copy(array):
+    return runtime.jax_module().numpy.array(array, copy=True)
+
+
+# -- the program ----------------------------------------------------------------------------------
+
+
+class Write:
+    """Output ``position`` stored into the tensor of slot ``slot``."""
+
+    __slots__ = ("slot", "position", "shape", "dtype", "annotation", "maker", "sharding")
+
+    def __init__(self, slot, position, shape, dtype, annotation):
+        self.slot, self.position = slot, position
+        self.shape, self.dtype, self.annotation = tuple(shape), dtype, annotation
+        self.maker = self.sharding = None
+
+    def node(self, array):
+        sharding = array.sharding
+        if sharding is not self.sharding:
+            self.sharding = sharding
+            self.maker = api.data_node_maker(self.shape, self.dtype, sharding)
+        return self.maker(array)
+
+
+class Program:
+    """A recorded step: its executable, its guard, and where its inputs and outputs live."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.slots: list[st.Slot] = []
+        self.arg_slots: list[st.ArgSlot] = []
+        self.specs: list = []  # per slot, the form the program was recorded for
+        self.guarded: list[int] = []  # the slots the guard compares (arguments have the key)
+        # Per slot: the object the last call left there, its storage when it is a base tensor
+        # the program can write into (else None), and the data node read from it (inputs only).
+        self.expect: list = []
+        self.storage: list = []
+        self.source: list = []  # per slot, the storage of the tensor there (view or base)
+        self.expect_node: list = []
+        self.inputs: list = []  # per executable input: (kind, a, b)
+        self.writes: list[Write] = []
+        self.clears: list[int] = []  # slots the step leaves empty
+        self.arg_writes: frozenset = frozenset()  # argument slots the step writes
+        self.returns = None  # (treedef, per leaf (kind, a, b))
+        self.compiled = None  # the jax executable (``executable.compiled``)
+        self.executable = None  # xshard.core.compiler.Executable
+        self.graph = None  # kept for the multi-process check only (see record.py)
+        self.donated: list = []  # (input position, slot) of each consumed input
+        self.copied: list[int] = []  # inputs the executable consumes that must be kept
+        self.draws = 0  # random draws per call
+        self.constant_values: list = []  # per input: the constant, or None (see prepare)
+        self.state_inputs: list = []
+        self.other_inputs: list = []
+        self.random_inputs: list = []  # (input position, counter offset or None for the seed)
+        self.seed = self.seed_array = None
+        self.base_refs: dict = {}  # slot -> refs() of the node stored last
+        self.placement: list[int] = []  # outputs whose arrays must be placed (see api.placed)
+        # The rest of the guard.
+        self.grad_enabled = True
+        self.flag_modules: list = []
+        self.flag_values: list = []
+        self.flags_after: list = []  # (module, training) the step sets
+        self.groups: list = []  # (optimizer, hyper-parameters per group)
+        self.sized: list = []  # dicts whose sizes are part of the state's form
+        self.sizes: list = []
+        self.size_names: list = []
+        # Slots whose form after the step differs from the form the step reads (the first step
+        # creates optimizer state): the guard never takes their objects on trust.
+        self.unsteady: list[int] = []
+        self.optimizers: list = []
+        self.state_dicts: list = []  # each optimizer's ``state`` when the getters were made
+        self.per_param_dicts: list = []
+        self.getters = None
+
+    # -- the objects the program expects
+
+    def adopt(self, i: int, obj) -> None:
+        """``obj`` is now in slot ``i`` (as the program left it, or compared equal in form)."""
+        self.expect[i] = obj
+        tensor = api.is_device_tensor(obj)
+        self.source[i] = api.storage(obj) if tensor else None
+        self.storage[i] = self.source[i] if tensor and not api.is_view(obj) else None
+        if self.expect_node[i] is not None and tensor:  # an input: the node it is read from
+            self.expect_node[i] = api.storage_value(self.source[i])
+
+    def measure_refs(self) -> None:
+        for _, i in self.donated:
+            node = self.expect_node[i]
+            # run() counts with ``node`` a local variable, as here.
+            self.base_refs[i] = (sys.getrefcount(node), sys.getrefcount(node.payload))
+
+    # -- the guard (see [Note: the guard])
+
+    def check(self, args) -> str | None:
+        """None when this program can run now, else what differs (for the log line)."""
+        if torch.is_grad_enabled() is not self.grad_enabled:
+            return f"grad mode: {self.grad_enabled} -> {torch.is_grad_enabled()}"
+        if [m.training for m in self.flag_modules] != self.flag_values:
+            for m, v in zip(self.flag_modules, self.flag_values):
+                if m.training != v:
+                    return f"{type(m).__name__}.training: {v} -> {m.training}"
+        for opt, settings in self.groups:
+            reason = _group_difference(opt, settings)
+            if reason:
+                return reason
+        if [len(d) for d in self.sized] != self.sizes:
+            for d, n, name in zip(self.sized, self.sizes, self.size_names):
+                if len(d) != n:
+                    return f"number of {name}: {n} -> {len(d)}"
+        for slot in self.arg_slots:
+            slot.leaves = args.leaves
+        getters = self.getters
+        if [opt.state for opt in self.optimizers] != self.state_dicts or \
+                [list(state.values()) for state in self.state_dicts] != self.per_param_dicts:
+            getters = None  # optimizer state replaced (load_state_dict): slow lookups
+        if getters is None:
+            getters = [self.slots[i].get for i in self.guarded]
+        expect, expect_node, source = self.expect, self.expect_node, self.source
+        value = api.storage_value
+        stale = None
+        for i, get in zip(self.guarded, getters):
+            obj = get()
+            if obj is expect[i]:
+                node = expect_node[i]
+                if node is None or obj is None or value(source[i]) is node:
+                    continue
+            if stale is None:
+                stale = []
+            stale.append(i)
+        if stale:
+            reason = self._recheck(stale)
+            if reason is None and getters is not self.getters:
+                self.refresh_getters()
+            return reason
+        return None
+
+    def refresh_getters(self) -> None:
+        """Fast lookups of the guarded slots, valid while the optimizers' state dicts stay."""
+        self.state_dicts = [opt.state for opt in self.optimizers]
+        self.per_param_dicts = [list(state.values()) for state in self.state_dicts]
+        self.getters = [self.slots[i].fast_get() for i in self.guarded]
+
+    def _recheck(self, stale) -> str | None:
+        specs = [spec_of(self.slots[i].get()) for i in stale]
+        if any(s is not None and s[0] == "tensor" and s[6] == "pending" for s in specs):
+            api.sync()  # the state was changed lazily since the last call: compute it first
+            specs = [spec_of(self.slots[i].get()) for i in stale]
+        for i, spec in zip(stale, specs):
+            if spec != self.specs[i]:
+                return difference(self.slots[i].name, self.specs[i], spec)
+        for i in stale:
+            self.adopt(i, self.slots[i].get())
+        return None
+
+    # -- running
+
+    def run(self, args):
+        expect_node, slots = self.expect_node, self.slots
+        getrefcount = sys.getrefcount
+        fresh = None
+        for position, i in self.donated:  # before ``values`` holds the arrays too
+            node = expect_node[i]
+            base = self.base_refs[i]
+            if getrefcount(node) != base[0] or getrefcount(node.payload) != base[1]:
+                fresh = (fresh or []) + [position]
+        values = list(self.constant_values)
+        for position, i in self.state_inputs:
+            values[position] = expect_node[i].payload
+        for kind, position, a, b in self.other_inputs:
+            if kind == "arg":
+                values[position] = api.storage_value(api.storage(slots[a].get())).payload
+            elif kind == "lr":
+                values[position] = a.array()
+            else:  # a Python number
+                values[position] = np.asarray(args.leaves[a], b)
+        if self.draws:
+            seed, counter = rng.advance(self.draws)
+            if self.random_inputs:
+                self._feed_stream(values, seed, counter)
+        for position in fresh or ():
+            values[position] = _copy(values[position])
+        results = self.execute(values, self.graph, self._scalars)
+        del values
+        return self.store(results)
+
+    def _feed_stream(self, values, seed: int, counter: int) -> None:
+        """The stream's seed and each draw's counter (see [Note: random draws in a compiled step]
+        in record.py)."""
+        if seed != self.seed:
+            self.seed, self.seed_array = seed, np.asarray(seed, np.uint64)
+        seed_array = self.seed_array
+        for position, offset, dtype in self.random_inputs:
+            values[position] = seed_array if offset is None else \
+                np.asarray((counter + offset) & _MASK, dtype)
+
+    def execute(self, values: list, graph, scalars) -> tuple:
+        """Calls the executable on ``values`` (consuming what it donates), as every execution is:
+        checked across processes first, timed in metrics and on a profiler's timeline."""
+        if graph is not None:  # a multi-process run (see record.py)
+            divergence.before_run(self.executable, graph, "compiled step",
+                                  scalars and (lambda: scalars(values)))
+        for position in self.copied:
+            values[position] = _copy(values[position])
+        with trace.phase(trace.EXECUTE):
+            return self.compiled(*values)
+
+    def _scalars(self, values) -> list:
+        """The Python numbers this call runs on, for the multi-process check: the stream's, the
+        learning rates, the numbers passed, the constants'."""
+        out = []
+        for position, (kind, a, b) in enumerate(self.inputs):
+            if kind in ("random", "number"):
+                out.append(values[position].item())
+            elif kind == "lr":
+                out.append(a.host())
+            elif kind == "constant" and b is not None:
+                out.append(b)
+        return out
+
+    def prepare(self) -> None:
+        """Splits ``inputs`` by kind for ``run`` (constants go in place once)."""
+        self.constant_values = [a if kind == "constant" else None for kind, a, _ in self.inputs]
+        self.state_inputs = [(p, a) for p, (kind, a, _) in enumerate(self.inputs)
+                             if kind == "state"]
+        self.other_inputs = [(kind, p, a, b) for p, (kind, a, b) in enumerate(self.inputs)
+                             if kind in ("arg", "lr", "number")]
+        self.random_inputs = [(p, a, b) for p, (kind, a, b) in enumerate(self.inputs)
+                              if kind == "random"]
+
+    def store(self, results):
+        if self.placement:
+            results = list(results)
+            for position in self.placement:
+                results[position] = api.placed(results[position])
+        slots, storage, expect_node = self.slots, self.storage, self.expect_node
+        write = api.write_storage
+        for w in self.writes:
+            i = w.slot
+            array = results[w.position]
+            # An executable lays each output out the same way every call (see Write.node).
+            maker = w.maker
+            node = maker(array) if maker is not None else w.node(array)
+            target = storage[i]
+            if target is not None:  # the guard saw the object the program left there
+                write(target, node)
+                if expect_node[i] is not None:
+                    expect_node[i] = node
+                continue
+            if target is None and i in self.arg_writes:  # this call's argument, changed
+                arg = slots[i].get()
+                target = api.storage(arg)
+                if w.annotation is not None and api.annotation(arg) is not w.annotation:
+                    api.set_annotation(arg, w.annotation)
+            if target is not None:  # the guard saw the object the program left there
+                write(target, node)
+                if expect_node[i] is not None:
+                    expect_node[i] = node
+            else:  # a slot the step fills with a new tensor
+                obj = api.new_tensor(node, w.annotation)
+                slots[i].set(obj)
+                self.adopt(i, obj)
+        for i in self.clears:
+            if slots[i].get() is not None:
+                slots[i].set(None)
+            self.expect[i] = self.storage[i] = self.source[i] = None
+        for i in self.unsteady:
+            self.expect[i] = _UNSTEADY
+        for module, training in self.flags_after:
+            module.training = training
+        treedef, plan = self.returns
+        out = []
+        for kind, a, b in plan:
+            if kind == "new":
+                out.append(api.new_tensor(api.data_node(results[a], *b)))
+            elif kind == "slot":
+                out.append(slots[a].get())
+            else:
+                out.append(a)
+        return pytree.tree_unflatten(out, treedef)
+
+    def measure_after_first_store(self) -> None:
+        """After the recording call stored its results: the objects it left, the slots whose form
+        changed, and the reference counts of what it stored."""
+        for i, s in enumerate(self.slots):
+            if not isinstance(s, st.ArgSlot):
+                self.adopt(i, s.get())
+        self.unsteady = [i for i in self.guarded if spec_of(self.expect[i]) != self.specs[i]]
+        self.measure_refs()
+        self.refresh_getters()
+        for i in self.unsteady:
+            self.expect[i] = _UNSTEADY
+
+
+_UNSTEADY = object()  # an object no slot holds
+_MASK = (1 << 64) - 1  # the counter is a uint64
+
+
+def _group_difference(opt, settings) -> str | None:
+    groups = opt.param_groups
+    if len(groups) != len(settings):
+        return f"number of optimizer param groups: {len(settings)} -> {len(groups)}"
+    for g, (group, recorded) in enumerate(zip(groups, settings)):
+        if len(group) != len(recorded) + 2:
+            return f"optimizer param_groups[{g}] keys: {sorted(recorded)} -> {sorted(group)}"
+        for k, v in recorded.items():
+            now = group.get(k)
+            if now is not v and not same_value(now, v):
+                return f"optimizer param_groups[{g}][{k!r}]: {v!r} -> {now!r}"
+    return None

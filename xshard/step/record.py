@@ -1,0 +1,488 @@
+"""Recording a step once on the lazy tracer, and the program made from the recording.
+
+[Note: trace once]
+The step function runs on the lazy tracer exactly as it would on the lazy path, with two
+differences: a capture is open (xshard.core.capture: nothing may read a value or run on the CPU),
+and every storage the step can reach (see xshard.step.state) first has its device data wrapped in
+an input node (an ``aten.alias`` of the data: an identity), so that everything the step does to it
+is pending work, never done at once (a ``mark_sharding`` of an argument becomes a constraint in the
+graph, not a copy made now). When the function returns, the pending values of those storages and
+of the returned tensors are the outputs of one graph, whose inputs are the storages' data, the
+learning rates and Python-number arguments (see optim.py), the random stream's numbers (see
+[Note: random draws in a compiled step]) and constants. That graph is lowered through the lowering
+table and compiled as a sync's graph is (same cache, compiler options and metrics; the executable
+is named after the step function), run once for this call, and kept as a ``Program``.
+
+Why the lazy tracer and not ``make_fx`` over fake stand-ins (the probe of the design notes): FSDP's
+hooks, ``mark_sharding``, optimisation barriers, the random stream and the fused attention all work
+on xshard tensors and would each need a second implementation for fakes; recorded on xshard tensors
+the step is exactly the lazy path's graph, lowered through the same table, so the compiled step
+equals the lazy path by construction. The recording costs one lazy step, once.
+
+Python in the step runs only while it is recorded, as in ``jax.jit``: prints, counters, anything
+that does not reach a tensor happens once. What would make the program wrong is refused instead,
+naming the user's line: reading a value, an op that would run on the CPU, changing an optimizer's
+settings or its Python-valued state, stepping a scheduler, seeding the random stream. After a
+refusal the state is as it was.
+
+[Note: random draws in a compiled step]
+The random stream is a seed and a counter on the host (see [Note: the random stream] in
+xshard.core.rng): each random op recorded takes the stream's seed and the counter's value as two
+scalar inputs of its ``RNG_KEY`` node, and advances the counter. A recording that starts at counter
+``c0`` and draws ``n`` times gives the program the counter inputs ``c0 + k`` (one per draw; several
+nodes share a ``k`` when activation checkpointing restores the stream to recompute with the
+forward's masks). A replay starting at counter ``c`` feeds the current seed and ``c + k`` for each,
+and advances the counter by ``n``: exactly the draws the lazy path makes from the same seed and
+position, so a compiled step and the lazy path draw the same masks, every call draws new ones, and
+``torch.manual_seed`` reproduces them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from xshard.core import api, arrays, capture, compiler, execute, ir, rng, runtime, trace
+from xshard.core.dtypes import to_numpy_dtype
+from xshard.core.graph import Graph
+from xshard.step import optim as optim_support
+from xshard.step import state as st
+from xshard.step.errors import (CaptureError, CompileError, StateError, user_line,
+                                 user_stacklevel)
+from xshard.step.program import Program, Rate, Write, describe, same_value, spec_of
+
+_ALIAS = torch.ops.aten.alias.default
+
+
+def _wrap(node: ir.Node) -> ir.Node:
+    """A step's input: the storage's data seen through an identity, so that the storage's value
+    is pending while the step is recorded (see [Note: trace once])."""
+    return ir.Node(_ALIAS, (node,), ((ir.slot(0),), ()), node.shape, node.dtype)
+
+
+class _Owner:
+    """The capture's owner while a step is recorded: refuses reads and CPU ops."""
+
+    def __init__(self, compiled, numbers: bool):
+        self.compiled = compiled
+        self.numbers = numbers  # whether Python numbers were passed (as 0-d tensors)
+
+    def on_read(self, what: str) -> None:
+        hint = (" A Python number argument is a 0-d tensor inside the step: if the step uses it "
+                "as a number (range(n), if flag), make it static (static_argnums= or "
+                "static_argnames=)." if self.numbers else "")
+        raise CaptureError(
+            f"xshard.compile({self.compiled.name}): {what} at {user_line()}. Inside a compiled "
+            f"step tensors have no values yet: the step is recorded once and replayed without "
+            f"running its Python, so it cannot print a tensor, call .item() or branch on a "
+            f"tensor's value. Return the tensor and read it after the call (or branch with "
+            f"torch.where), or run this step without xshard.compile (the lazy path).{hint}")
+
+    def on_fallback(self, op) -> None:
+        raise CaptureError(
+            f"xshard.compile({self.compiled.name}): {op} has no lowering rule (at {user_line()}); "
+            f"the lazy path runs it eagerly on the CPU, which a compiled step cannot do. Run this "
+            f"step without xshard.compile, or replace the op.")
+
+    def on_sync(self) -> None:
+        if not self.compiled.warned_sync:
+            self.compiled.warned_sync = True
+            warnings.warn(
+                f"xshard.compile({self.compiled.name}): xshard.sync() inside a compiled step does "
+                f"nothing (the whole step is one graph); at {user_line()}.",
+                stacklevel=user_stacklevel())
+
+
+class Recording:
+    """One recording of the step: its entry state, the run, and the program built from it."""
+
+    def __init__(self, compiled, args, call_args, call_kwargs):
+        self.compiled = compiled
+        self.args = args  # the Arguments of this call
+        self.call_args, self.call_kwargs = call_args, call_kwargs
+
+    def run(self):
+        compiled, args = self.compiled, self.args
+        name = compiled.name
+        api.sync()  # work pending from before the step is not part of it
+        roots = st.find_roots(compiled.fn, list(compiled.state) + args.roots())
+        optim_support.make_capturable(roots.optimizers)
+        api.sync()
+        leaves = list(args.leaves)
+        arg_slots = []
+        for i in args.tensor_positions():
+            slot = st.ArgSlot(i, args.name(i))
+            slot.leaves = leaves
+            arg_slots.append(slot)
+        slots = arg_slots + st.state_slots(roots)
+        entry = [s.get() for s in slots]
+        specs = [spec_of(o) for o in entry]
+        self._refuse_partial_sums(slots, entry)
+        program = Program(name)
+        program.grad_enabled = torch.is_grad_enabled()
+        program.flag_modules = [m for root in roots.modules for m in root.modules()]
+        program.flag_values = [m.training for m in program.flag_modules]
+        program.groups = [(opt, optim_support.hyperparameters(opt)) for opt in roots.optimizers]
+        program.optimizers = list(roots.optimizers)
+        self._record_sizes(program, roots)
+        host_values = {s.key: spec for s, spec in zip(slots, specs)
+                       if spec is not None and spec[0] != "tensor"}
+
+        # Learning rates and Python numbers become device inputs (see optim.py).
+        rates = optim_support.lift_rates(roots.optimizers)
+        numbers = {}
+        for i in args.number_positions():
+            value = leaves[i]
+            dtype = torch.get_default_dtype() if type(value) is float else torch.int64
+            t = api.new_tensor(api.upload(torch.tensor(value, dtype=dtype)))
+            numbers[id(api.value(t))] = (i, to_numpy_dtype(dtype))
+            leaves[i] = t
+
+        wrapped = {}  # id(storage) -> (storage, entry node, wrapper node)
+        for obj in entry:
+            if api.is_device_tensor(obj):
+                storage = api.storage(obj)
+                if id(storage) not in wrapped:
+                    node = api.storage_value(storage)
+                    wrapper = _wrap(node)
+                    api.write_storage(storage, wrapper)
+                    wrapped[id(storage)] = (storage, node, wrapper)
+
+        fn_args, fn_kwargs = args.rebuild(leaves, self.call_args, self.call_kwargs)
+        saved_state = [(opt, {p: dict(d) for p, d in opt.state.items()})
+                       for opt in roots.optimizers]
+        stream = rng.position()  # see [Note: random draws in a compiled step]
+        try:
+            with capture.capturing(_Owner(compiled, bool(numbers))), \
+                    optim_support.graph_paths(roots.optimizers):
+                out = compiled.fn(*fn_args, **fn_kwargs)
+            self._check_host_state(rates, program.groups, slots, host_values)
+            program.draws = self._draws(stream)
+            for rate in rates:
+                rate.restore()
+            # The state that exists now (the first step creates the optimizer's).
+            all_slots = st.merge_slots(slots, st.state_slots(roots))
+            entry += [None] * (len(all_slots) - len(slots))
+            specs += [None] * (len(all_slots) - len(slots))
+            program.slots, program.arg_slots, program.specs = all_slots, arg_slots, specs
+            program.guarded = [i for i, s in enumerate(all_slots)
+                               if not isinstance(s, st.ArgSlot)]
+            program.flags_after = [(m, m.training) for m, v in zip(program.flag_modules,
+                                                                   program.flag_values)
+                                   if m.training != v]
+            exits = [s.get() for s in all_slots]
+            # _plan drops the result once it has read it: whatever its autograd graph keeps alive
+            # (saved activations) is not state the step kept.
+            result_box = [out]
+            del out
+            planned = self._plan(program, entry, exits, wrapped, rates, numbers, result_box,
+                                 stream)
+        except BaseException:
+            self._undo(slots, entry, wrapped, rates, saved_state, program.groups)
+            rng.set_position(*stream)
+            raise
+        return program, self._first_run(program, planned, exits, wrapped)
+
+    # -- checks
+
+    def _refuse_partial_sums(self, slots, entry):
+        for slot, obj in zip(slots, entry):
+            # After a sync, a value that is not device data is a partial sum.
+            if api.is_device_tensor(obj) and api.storage_value(api.storage(obj)).op is not ir.DATA:
+                raise StateError(
+                    f"xshard.compile({self.compiled.name}): {slot.name} holds per-device partial "
+                    f"sums (gradients accumulated under FSDP.no_sync()), which a compiled step "
+                    f"cannot read. Run the steps that accumulate under no_sync, and the first one "
+                    f"after it, without xshard.compile.")
+
+    @staticmethod
+    def _record_sizes(program: Program, roots) -> None:
+        for m in program.flag_modules:
+            name = type(m).__name__
+            for kind in ("_parameters", "_buffers", "_modules"):
+                program.sized.append(getattr(m, kind))
+                program.size_names.append(f"{kind[1:]} of a {name}")
+        for opt in roots.optimizers:
+            program.sized.append(opt.state)
+            program.size_names.append(f"parameters with state in a {type(opt).__name__}")
+            for p, per_param in opt.state.items():
+                program.sized.append(per_param)
+                program.size_names.append(f"state entries of a parameter in a "
+                                          f"{type(opt).__name__}")
+        program.sizes = [len(d) for d in program.sized]
+
+    def _check_host_state(self, rates, groups, slots, host_values):
+        name = self.compiled.name
+        for rate in rates:
+            if rate.changed():
+                raise StateError(
+                    f"xshard.compile({name}): the step changed the learning rate of param group "
+                    f"{rate.group} (an LR scheduler stepped inside the compiled function?). Python "
+                    f"in a compiled step runs only when it is recorded; call scheduler.step() "
+                    f"outside it, between calls: the compiled step reads the learning rate on "
+                    f"every call.")
+        for opt, settings in groups:
+            for g, (group, recorded) in enumerate(zip(opt.param_groups, settings)):
+                for k, v in recorded.items():
+                    if not same_value(group.get(k), v):
+                        raise StateError(
+                            f"xshard.compile({name}): the step changed optimizer "
+                            f"param_groups[{g}][{k!r}] from {v!r} to {group.get(k)!r}; Python in "
+                            f"a compiled step runs only when it is recorded. Change it between "
+                            f"calls (the step is then recorded again).")
+        for slot in slots:
+            spec = host_values.get(slot.key)
+            if spec is not None and spec != spec_of(slot.get()):
+                raise StateError(
+                    f"xshard.compile({name}): the step changed {slot.name}, a Python value "
+                    f"({describe(spec)} -> {describe(spec_of(slot.get()))}), which a replay "
+                    f"cannot update. Use an optimizer that keeps such state in tensors (for the "
+                    f"Adam family, capturable=True), or run this step without xshard.compile.")
+
+    def _draws(self, stream) -> int:
+        """How many random draws the step made (see [Note: random draws in a compiled step])."""
+        seed, counter = rng.position()
+        if seed != stream[0]:
+            raise StateError(
+                f"xshard.compile({self.compiled.name}): the step seeded the device random stream "
+                f"(torch.manual_seed or set_rng_state inside the compiled function); Python in a "
+                f"compiled step runs only when it is recorded, so a replay would not seed it. "
+                f"Seed outside the step, before calling it.")
+        return counter - stream[1]
+
+    def _undo(self, slots, entry, wrapped, rates, saved_state, groups):
+        """After a failed recording: the state as it was at entry; half-done work never runs."""
+        for rate in rates:
+            rate.restore()
+        for opt, settings in groups:
+            for group, recorded in zip(opt.param_groups, settings):
+                group.update(recorded)
+        for opt, saved in saved_state:  # the same dicts, with the entries they had
+            for p in list(opt.state):
+                if p in saved:
+                    opt.state[p].clear()
+                    opt.state[p].update(saved[p])
+                else:
+                    del opt.state[p]
+        for slot, obj in zip(slots, entry):
+            if not isinstance(slot, (st.ArgSlot, st.GroupParamSlot)) and \
+                    slot.get() is not obj:
+                slot.set(obj)
+        for storage, node, _ in wrapped.values():
+            api.write_storage(storage, node)
+        error = CompileError(f"this tensor was computed by a failed recording of xshard.compile("
+                             f"{self.compiled.name}); compute it again outside the step.")
+        for storage in api.pending_storages():
+            api.quarantine(storage, error)
+
+    # -- the program
+
+    def _plan(self, program: Program, entry, exits, wrapped, rates, numbers, result_box,
+              stream):
+        """Builds and compiles the step's graph and fills in where the program reads its inputs
+        and stores its outputs; returns the inputs of this call, and the graph."""
+        name = self.compiled.name
+        out = result_box.pop()
+        slots = program.slots
+        pairs = []  # (value node, annotation) per output
+        writes = []
+        destination = {}  # id(storage) -> pair index
+        accounted = set(wrapped)  # storages whose pending value is dealt with otherwise
+        for i, obj in enumerate(exits):
+            if obj is None:
+                if entry[i] is not None:
+                    program.clears.append(i)
+                continue
+            if not api.is_device_tensor(obj):
+                continue
+            if api.is_view(obj):  # stored as a base tensor holding the view's value
+                accounted.add(id(api.storage(obj)))
+                pairs.append((api.value(obj), None))
+                writes.append(Write(i, len(pairs) - 1, obj.shape, obj.dtype, None))
+                continue
+            storage = api.storage(obj)
+            value = api.storage_value(storage)
+            w = wrapped.get(id(storage))
+            if w is not None and value is w[2]:
+                continue  # untouched
+            if id(storage) not in destination:
+                destination[id(storage)] = len(pairs)
+                pairs.append((value, api.annotation(obj)))
+                writes.append(Write(i, len(pairs) - 1, value.shape, value.dtype,
+                                    api.annotation(obj)))
+        leaves_out, out_def = pytree.tree_flatten(out)
+        exit_slot = {id(o): i for i, o in enumerate(exits) if api.is_device_tensor(o)}
+        returns = []
+        for leaf in leaves_out:
+            if id(leaf) in exit_slot:
+                returns.append(("slot", exit_slot[id(leaf)], None))
+            elif api.is_device_tensor(leaf):
+                accounted.add(id(api.storage(leaf)))
+                pairs.append((api.value(leaf), None))
+                returns.append(("new", len(pairs) - 1, (tuple(leaf.shape), leaf.dtype)))
+            else:
+                returns.append(("value", leaf, None))
+        del out, leaves_out, leaf
+
+        # Pending storages that no slot or result holds: values the step kept elsewhere (a list,
+        # a module attribute that is not a buffer). A replay cannot update them, so they are left
+        # out, and reading one says why.
+        stray = [s for s in api.pending_storages()
+                 if id(s) not in destination and id(s) not in accounted]
+        if stray:
+            error = StateError(
+                f"this tensor was computed inside xshard.compile({name}) and kept outside the "
+                f"step's model, optimizer and return value; a compiled step does not update it. "
+                f"Return it from the step instead.")
+            for s in stray:
+                api.quarantine(s, error)
+            shapes = ", ".join(str(list(api.storage_value(s).shape)) for s in stray[:4])
+            warnings.warn(
+                f"xshard.compile({name}): the step keeps {len(stray)} tensor(s) it computed "
+                f"outside the model, optimizer and return value (shapes {shapes}): later calls do "
+                f"not update them, and reading one raises. Return them from the step; or, if they "
+                f"are state of a module or optimizer xshard.compile did not find, pass that with "
+                f"state=.", stacklevel=user_stacklevel())
+
+        outputs, owners = execute.result_nodes(pairs)
+        sources = {}  # id(entry node) -> slot index
+        arg_storages = set()
+        for i, obj in enumerate(entry):
+            if api.is_device_tensor(obj):
+                storage = api.storage(obj)
+                w = wrapped.get(id(storage))
+                if w is not None and id(w[1]) not in sources:
+                    sources[id(w[1])] = i
+                if isinstance(slots[i], st.ArgSlot):
+                    arg_storages.add(id(storage))
+        # The entry data of the state the step overwrites is consumed (donated), unless some other
+        # live storage holds the same array.
+        consumed = {id(wrapped[k][1]) for k in destination
+                    if k in wrapped and k not in arg_storages}
+        held = _held_elsewhere(wrapped)
+        trace.end_recording()  # the recording is one TraceTime sample, as a lazy step's
+        graph = Graph(outputs)
+        donate = tuple(k for k, n in enumerate(graph.inputs)
+                       if id(n) in consumed and id(n.payload) not in held)
+        with trace.naming(name):  # jit(xshard_<step function>_<n>), see xshard.core.trace
+            exe = api.executable(graph, donate)
+        program.executable, program.compiled = exe, exe.compiled
+        # Multi-process runs check the program before each call (xshard.core.divergence); it reads
+        # the graph. A digest exists exactly when processes compare them.
+        program.graph = graph if exe.digest is not None else None
+        values = compiler.input_values(graph)
+        self._plan_inputs(program, graph, values, sources, rates, numbers, stream)
+        mine = set(donate)
+        # A cached executable compiled with other donations (the same graph, earlier): an input it
+        # consumes that this step must keep is passed as a copy (as a lazy sync does).
+        program.donated = [(p, program.inputs[p][1]) for p in exe.donate if p in mine]
+        program.copied = [p for p in exe.donate if p not in mine]
+        program.prepare()
+        for w in writes:
+            w.position = owners[w.position]
+        program.writes = writes
+        program.arg_writes = frozenset(w.slot for w in writes
+                                       if isinstance(slots[w.slot], st.ArgSlot))
+        program.returns = (out_def, [(k, owners[a], b) if k == "new" else (k, a, b)
+                                     for k, a, b in returns])
+        return values, graph
+
+    def _first_run(self, program: Program, planned, exits, wrapped):
+        """Runs the program for the recording call and stores its results."""
+        values, graph = planned
+        del planned
+        slots = program.slots
+        results = program.execute(values, graph, None)
+        del values, graph
+        program.placement = [p for p, r in enumerate(results) if api.placed(r) is not r]
+        for storage, node, wrapper in wrapped.values():
+            if api.storage_value(storage) is wrapper:  # untouched: its own data back
+                api.write_storage(storage, node)
+        n = len(slots)
+        program.expect, program.storage = [None] * n, [None] * n
+        program.source, program.expect_node = [None] * n, [None] * n
+        for kind, i, _ in program.inputs:
+            if kind == "state":
+                program.expect_node[i] = True  # an input: adopt() fills in the node
+        for i, obj in enumerate(exits):
+            if not isinstance(slots[i], st.ArgSlot):
+                program.adopt(i, obj)
+        result = program.store(results)
+        del results
+        return result
+
+    def _plan_inputs(self, program, graph, values, sources, rates, numbers, stream):
+        """Where each executable input comes from on a replay."""
+        shardings = program.compiled.input_shardings[0]
+        rate_of = {id(r.input): r for r in rates}
+        draws = _random_inputs(graph, stream, self.compiled.name)
+        inputs, constants = [], []
+        for k, node in enumerate(graph.inputs):
+            if id(node) in sources:
+                i = sources[id(node)]
+                kind = "arg" if isinstance(program.slots[i], st.ArgSlot) else "state"
+                inputs.append((kind, i, None))
+            elif id(node) in rate_of:
+                r = rate_of[id(node)]
+                inputs.append(("lr", Rate(r.optimizer, r.group, to_numpy_dtype(r.dtype),
+                                          shardings[k]), None))
+            elif id(node) in numbers:
+                i, dtype = numbers[id(node)]
+                inputs.append(("number", i, dtype))
+            elif id(node) in draws:
+                # The stream's seed (offset None) or a draw's counter (its offset from the start).
+                inputs.append(("random", draws[id(node)], to_numpy_dtype(node.dtype)))
+            else:
+                # A constant, placed once: a host value would be copied on every call.
+                value = values[k]
+                host = node.payload if node.op is ir.SCALAR else None
+                if not isinstance(value, runtime.jax_module().Array):
+                    value = arrays.put(np.asarray(value), shardings[k], "a compiled step's "
+                                       "constant")
+                inputs.append(("constant", value, host))
+                if node.op is ir.DATA and len(node.shape) > 0:
+                    constants.append(node)
+        if constants:
+            shapes = ", ".join(str(list(n.shape)) for n in constants[:4])
+            warnings.warn(
+                f"xshard.compile({self.compiled.name}): the step reads {len(constants)} device "
+                f"tensor(s) that are not arguments, parameters, buffers or optimizer state "
+                f"(shapes {shapes}); their current values are built into the compiled step. Pass "
+                f"them as arguments, or register them as buffers, if they change.",
+                stacklevel=user_stacklevel())
+        program.inputs = inputs
+
+
+def _random_inputs(graph, stream, name: str) -> dict:
+    """id(scalar input) -> None for the random stream's seed, or k for the counter of a draw made
+    k draws after the step began (see [Note: random draws in a compiled step])."""
+    seed, start = stream
+    found = {}
+    for node in graph.order:
+        if node.op is not ir.RNG_KEY:
+            continue
+        seed_node, counter_node = node.inputs
+        if seed_node.payload != seed:
+            raise StateError(
+                f"xshard.compile({name}): a random op inside the step draws from another seed "
+                f"than the stream's ({seed_node.payload} instead of {seed}): the step seeds the "
+                f"stream (torch.manual_seed or set_rng_state inside the compiled function). Seed "
+                f"outside the step, before calling it.")
+        found[id(seed_node)] = None
+        found[id(counter_node)] = counter_node.payload - start
+    return found
+
+
+def _held_elsewhere(wrapped) -> set:
+    """Ids of arrays a live storage other than the wrapped ones holds (never donated)."""
+    held = set()
+    for storage in api.live_storages():
+        if id(storage) in wrapped:
+            continue
+        node = api.storage_value(storage)
+        if node.op is ir.DATA:
+            held.add(id(node.payload))
+    return held

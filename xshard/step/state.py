@@ -1,0 +1,340 @@
+"""The state a step reads and writes: the places (slots) where its tensors live.
+
+A compiled step is replayed without running its Python, so everything the step reads or changes
+must be found again, on every call, at a fixed place: a module's parameter or buffer, a parameter's
+``.grad``, an optimizer's ``state[p][key]``, an argument. A ``Slot`` is one such place: ``get()``
+returns the tensor there (or None), ``set(t)`` puts one there. The random stream is no slot: it is
+two host integers (see xshard.core.rng), fed to the program on each call (see program.py).
+
+State is found from *roots*: the ``nn.Module``s, ``torch.optim.Optimizer``s and device tensors
+among the step's arguments, its closure, the globals its code names, the object a bound method
+belongs to, and the ``state=`` given to ``xshard.compile``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from xshard.core import api
+
+
+class Slot:
+    """A place holding a tensor (or None) that a step may read or write."""
+
+    __slots__ = ("key", "name")
+
+    def get(self):
+        raise NotImplementedError
+
+    def set(self, value) -> None:
+        raise NotImplementedError
+
+    def fast_get(self):
+        """A function returning what ``get()`` returns, faster; see ``Program.check`` for when
+        it may be used."""
+        return self.get
+
+    def __repr__(self):
+        return self.name
+
+
+class DictSlot(Slot):
+    """``mapping[entry]``: a module's ``_parameters`` / ``_buffers`` / ``__dict__`` entry."""
+
+    __slots__ = ("mapping", "entry")
+
+    def __init__(self, key, name, mapping: dict, entry: str):
+        self.key, self.name, self.mapping, self.entry = key, name, mapping, entry
+
+    def get(self):
+        return self.mapping.get(self.entry)
+
+    def set(self, value) -> None:
+        self.mapping[self.entry] = value
+
+    def fast_get(self):
+        return partial(self.mapping.get, self.entry)
+
+
+class GradSlot(Slot):
+    """``param.grad``."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, key, name, param):
+        self.key, self.name, self.param = key, name, param
+
+    def get(self):
+        return self.param.grad
+
+    def set(self, value) -> None:
+        self.param.grad = value
+
+    def fast_get(self):
+        return partial(getattr, self.param, "grad")
+
+
+class OptimizerStateSlot(Slot):
+    """``optimizer.state[param][entry]``."""
+
+    __slots__ = ("optimizer", "param", "entry", "_state", "_per_param")
+
+    def __init__(self, key, name, optimizer, param, entry):
+        self.key, self.name = key, name
+        self.optimizer, self.param, self.entry = optimizer, param, entry
+        self._state = self._per_param = None
+
+    def _lookup(self):
+        # opt.state is keyed by parameters, whose __hash__ is Python code: look the parameter's
+        # dict up once per opt.state object (load_state_dict makes a new one).
+        state = self.optimizer.state
+        if state is not self._state or self._per_param is None:
+            self._state, self._per_param = state, state.get(self.param)
+        return self._per_param
+
+    def get(self):
+        per_param = self._lookup()
+        return None if per_param is None else per_param.get(self.entry)
+
+    def fast_get(self):
+        """Valid while ``optimizer.state`` and the parameter's dict in it are the same objects."""
+        per_param = self._lookup()
+        return self.get if per_param is None else partial(per_param.get, self.entry)
+
+    def set(self, value) -> None:
+        if value is None:
+            per_param = self._lookup()
+            if per_param is not None:
+                per_param.pop(self.entry, None)
+        else:
+            self.optimizer.state[self.param][self.entry] = value
+            self._per_param = None
+
+
+class GroupParamSlot(Slot):
+    """``optimizer.param_groups[group]['params'][index]`` (a parameter no module holds)."""
+
+    __slots__ = ("groups", "group", "index")
+
+    def __init__(self, key, name, optimizer, group, index):
+        self.key, self.name = key, name
+        self.groups, self.group, self.index = optimizer.param_groups, group, index
+
+    def get(self):
+        params = self.groups[self.group]["params"] if self.group < len(self.groups) else ()
+        return params[self.index] if self.index < len(params) else None
+
+    def set(self, value) -> None:
+        raise AssertionError("parameters are updated in place, never replaced")
+
+
+class CellSlot(Slot):
+    """A closure cell of the step function."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, key, name, cell):
+        self.key, self.name, self.cell = key, name, cell
+
+    def get(self):
+        return self.cell.cell_contents
+
+    def set(self, value) -> None:
+        self.cell.cell_contents = value
+
+
+class HeldSlot(Slot):
+    """A device tensor given in ``xshard.compile(..., state=)``: always that tensor object (the
+    step updates it in place)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, key, name, tensor):
+        self.key, self.name, self.tensor = key, name, tensor
+
+    def get(self):
+        return self.tensor
+
+    def set(self, value) -> None:
+        raise AssertionError("a tensor given as state is updated in place, never replaced")
+
+
+class ArgSlot(Slot):
+    """Leaf ``index`` of the flattened ``(args, kwargs)`` of the current call."""
+
+    __slots__ = ("index", "leaves")
+
+    def __init__(self, index: int, name: str):
+        self.key, self.name, self.index = ("arg", index), name, index
+        self.leaves: list = []
+
+    def get(self):
+        return self.leaves[self.index]
+
+    def set(self, value) -> None:
+        self.leaves[self.index] = value
+
+
+# -- roots ----------------------------------------------------------------------------------------
+
+
+class Roots:
+    """The modules, optimizers and loose device tensors a step works on."""
+
+    def __init__(self):
+        self.modules: list[nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.cells: list = []  # (closure cell, name) holding a device tensor
+        self.globals: list = []  # (globals dict, name) holding a device tensor
+        self.tensors: list = []  # (device tensor, name) given as state=
+        self._seen: set = set()
+
+    def add(self, obj, depth: int = 0) -> None:
+        if id(obj) in self._seen:
+            return
+        if isinstance(obj, nn.Module):
+            self._seen.add(id(obj))
+            self.modules.append(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            self._seen.add(id(obj))
+            self.optimizers.append(obj)
+        elif isinstance(obj, (list, tuple)) and depth < 2:
+            for item in obj:
+                self.add(item, depth + 1)
+        elif isinstance(obj, dict) and depth < 2:
+            for item in obj.values():
+                self.add(item, depth + 1)
+        elif depth == 0 and hasattr(obj, "__dict__") and not isinstance(
+                obj, (type, types.ModuleType, types.FunctionType, torch.Tensor)):
+            # An object the step is a method of (a trainer): its attributes, one level down.
+            self._seen.add(id(obj))
+            for item in list(vars(obj).values()):
+                self.add(item, depth + 1)
+
+
+def find_roots(fn, extra=()) -> Roots:
+    """Modules, optimizers and device tensors reachable from ``fn`` (see the module docstring)."""
+    roots = Roots()
+    for k, obj in enumerate(extra):
+        if api.is_device_tensor(obj):
+            roots.tensors.append((obj, f"state[{k}]"))
+        else:
+            roots.add(obj)
+    seen_fns: set = set()
+
+    def visit(f):
+        if id(f) in seen_fns:
+            return
+        seen_fns.add(id(f))
+        if isinstance(f, functools.partial):
+            for a in (*f.args, *f.keywords.values()):
+                roots.add(a)
+            visit(f.func)
+            return
+        if isinstance(f, types.MethodType):
+            roots.add(f.__self__)
+            visit(f.__func__)
+            return
+        if isinstance(f, nn.Module):
+            roots.add(f)
+            return
+        code = getattr(f, "__code__", None)
+        if code is None:
+            call = getattr(type(f), "__call__", None)
+            if call is not None and not isinstance(f, type):
+                roots.add(f)
+            return
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if api.is_device_tensor(value):
+                roots.cells.append((cell, name))
+            elif callable(value) and isinstance(value, (types.FunctionType, functools.partial)):
+                visit(value)
+            else:
+                roots.add(value, depth=1)
+        module_globals = getattr(f, "__globals__", {})
+        for name in _global_names(code):
+            value = module_globals.get(name)
+            if value is None:
+                continue
+            if api.is_device_tensor(value):
+                roots.globals.append((module_globals, name))
+            elif isinstance(value, (nn.Module, torch.optim.Optimizer)):
+                roots.add(value)
+            elif isinstance(value, types.FunctionType) and value.__module__ == f.__module__:
+                visit(value)
+
+    visit(fn)
+    return roots
+
+
+def _global_names(code) -> set:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+# -- slots ----------------------------------------------------------------------------------------
+
+
+def state_slots(roots: Roots) -> list[Slot]:
+    """Every place of the roots' state, in a fixed order (the same roots give the same list)."""
+    slots: list[Slot] = []
+    params: dict = {}  # id -> (param, name)
+    for r, root in enumerate(roots.modules):
+        prefix = f"module{r}" if len(roots.modules) > 1 else "model"
+        for mod_name, m in root.named_modules(remove_duplicate=True):
+            where = f"{prefix}.{mod_name}" if mod_name else prefix
+            for name, p in m._parameters.items():
+                slots.append(DictSlot(("param", id(m), name), f"{where}.{name}", m._parameters,
+                                      name))
+                if p is not None and id(p) not in params:
+                    params[id(p)] = (p, f"{where}.{name}")
+            for name in m._buffers:
+                slots.append(DictSlot(("buffer", id(m), name), f"{where}.{name}", m._buffers,
+                                      name))
+            for name, value in list(vars(m).items()):
+                if api.is_device_tensor(value) and not name.startswith("_"):
+                    slots.append(DictSlot(("attr", id(m), name), f"{where}.{name}", m.__dict__,
+                                          name))
+    for o, opt in enumerate(roots.optimizers):
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) not in params:
+                    name = f"optimizer{o}.param_groups[{g}]['params'][{i}]"
+                    slots.append(GroupParamSlot(("group_param", id(opt), g, i), name, opt, g, i))
+                    params[id(p)] = (p, name)
+    for cell, name in roots.cells:
+        slots.append(CellSlot(("cell", id(cell)), name, cell))
+    for t, name in roots.tensors:
+        slots.append(HeldSlot(("held", id(t)), name, t))
+        if t.requires_grad and id(t) not in params:
+            params[id(t)] = (t, name)
+    for mapping, name in roots.globals:
+        slots.append(DictSlot(("global", id(mapping), name), name, mapping, name))
+    for p, name in params.values():
+        slots.append(GradSlot(("grad", id(p)), f"{name}.grad", p))
+    for o, opt in enumerate(roots.optimizers):
+        for p, (param, name) in ((p, params[id(p)]) for g in opt.param_groups
+                                 for p in g["params"]):
+            for entry in sorted(opt.state.get(p, {}), key=str):
+                slots.append(OptimizerStateSlot(("opt_state", id(opt), id(p), entry),
+                                                f"optimizer{o}.state[{name}][{entry!r}]", opt,
+                                                p, entry))
+    return slots
+
+
+def merge_slots(first: list[Slot], second: list[Slot]) -> list[Slot]:
+    """``first`` followed by the slots of ``second`` that it lacks (by key)."""
+    keys = {s.key for s in first}
+    return first + [s for s in second if s.key not in keys]
