@@ -71,6 +71,25 @@ def test_reductions(dtype):
     check(lambda x: tuple(f(x) for f in fns), a, **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sort_and_topk_order(dtype):
+    # Descending order of integers by negation overflowed: uint8 0 sorted first, and the most
+    # negative int64 above everything. Ties among repeated values keep their order (stable).
+    a = torch.cat([values(dtype), values(dtype)[:4]])
+    a[2] = 0  # -0 is 0 in uint8: it sorted first descending
+    if dtype in (torch.int64, torch.int32):
+        a[0], a[1] = torch.iinfo(dtype).min, torch.iinfo(dtype).max
+    fns = [lambda x: torch.sort(x, stable=True), lambda x: torch.sort(x, descending=True,
+                                                                       stable=True),
+           lambda x: torch.argsort(x, descending=True, stable=True)]
+    if dtype is not torch.bool:  # eager has no topk of bools; which of tied elements: unspecified
+        fns += [lambda x: torch.topk(x, 5).values, lambda x: torch.topk(x, 5, largest=False).values]
+    check(lambda x: tuple(f(x) for f in fns), a)
+    if dtype is not torch.bool:
+        top = torch.topk(a.to(DEV), 5, largest=False)
+        assert torch.equal(a[top.indices.cpu()], top.values.cpu())
+
+
 @pytest.mark.parametrize("src", DTYPES, ids=str)
 def test_casts_between_all_dtypes(src):
     a = values(src)

@@ -282,6 +282,13 @@ def _searchsorted(sorted_sequence, values, out_int32=False, right=False, side=No
     return out.reshape(lead + values.shape[-1:]).astype(dtype)
 
 
+def _reversed_order(x):
+    """A key that sorts ``x``'s elements in the opposite order: ``-x`` for floats (NaN stays NaN),
+    ``~x`` for integers and bools (``-x`` overflows at the most negative value and wraps
+    unsigned ones: uint8 200 would sort below 3)."""
+    return -x if _category(x.dtype) == _FLOAT else ~x
+
+
 @rule(aten.sort.default, aten.sort.stable)
 def _sort(x, *args, stable=None, dim=-1, descending=False):
     if args:
@@ -290,10 +297,7 @@ def _sort(x, *args, stable=None, dim=-1, descending=False):
     if x.ndim == 0:
         return x, jnp.zeros((), np.int64)
     dim = dim % x.ndim
-    key = -x if descending and _category(x.dtype) != _BOOL else x
-    if descending and _category(x.dtype) == _BOOL:
-        key = ~x
-    idx = jnp.argsort(key, axis=dim, stable=True)
+    idx = jnp.argsort(_reversed_order(x) if descending else x, axis=dim, stable=True)
     if descending and _category(x.dtype) == _FLOAT:
         # NaN sorts first when descending, last when ascending (as in PyTorch).
         idx = jnp.take_along_axis(idx, jnp.argsort(jnp.take_along_axis(
@@ -310,8 +314,8 @@ def _topk(x, k, dim=-1, largest=True, sorted=True):
     if largest:
         vals, idx = lax.top_k(moved, k)
     else:
-        vals, idx = lax.top_k(-moved, k)
-        vals = -vals
+        _, idx = lax.top_k(_reversed_order(moved), k)
+        vals = jnp.take_along_axis(moved, idx, axis=-1)
     return jnp.moveaxis(vals, -1, dim), jnp.moveaxis(idx, -1, dim).astype(np.int64)
 
 
