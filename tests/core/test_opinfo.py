@@ -70,10 +70,32 @@ def test_common_op_matches_eager(op, variant, dtype):
     _assert_passes(op, variant, dtype, n_samples=2)
 
 
+# Every OpInfo's float32 checks that fail, and why (docs/conformance.md lists them all). Strict:
+# one that starts to pass is taken off this list.
+_SPARSE = "sparse layouts: xshard tensors are dense (a clear error names the op)"
+_SAVED_STATS = ("the saved mean/invstd of an eval-mode batch norm: ATen's CPU kernel returns them "
+                "empty, its meta kernel (which xshard conforms to) with the channels' size")
+KNOWN_FLOAT32_FAILURES = {
+    "addbmm": "addbmm_ into an input that broadcasts: eager resizes the input, xshard refuses to "
+              "change a tensor's shape in place",
+    "chalf": "complex32 is not a supported dtype (the error names the supported ones)",
+    "native_batch_norm": _SAVED_STATS,
+    "_native_batch_norm_legit": _SAVED_STATS,
+    "sparse.sampled_addmm": _SPARSE,
+    "sparse.mm.reduce": _SPARSE,
+    "to_sparse": _SPARSE,
+}
+
+
 def _every_opinfo():
     from torch.testing._internal.common_methods_invocations import op_db
 
-    return [pytest.param(op, id=full_name(op)) for op in op_db]
+    cases = []
+    for op in op_db:
+        reason = KNOWN_FLOAT32_FAILURES.get(full_name(op))
+        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+        cases.append(pytest.param(op, id=full_name(op), marks=marks))
+    return cases
 
 
 @pytest.mark.slow

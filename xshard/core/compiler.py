@@ -8,7 +8,9 @@ program here) with the XLA options its ops ask for.
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import warnings
 
 import numpy as np
@@ -155,7 +157,7 @@ class Executable:
     """A compiled graph, the inputs it donates, how its inputs are placed, and what a recompile
     log compares."""
 
-    __slots__ = ("compiled", "donate", "describe", "digest", "moves")
+    __slots__ = ("compiled", "donate", "describe", "digest", "moves", "handle")
 
     def __init__(self, compiled, donate: tuple, describe, digest=None, moves=()):
         self.compiled = compiled
@@ -163,6 +165,63 @@ class Executable:
         self.describe = describe
         self.digest = digest  # of the lowered program, compared across processes (divergence.py)
         self.moves = moves  # the graph's placement plan (see xshard.core.placement)
+        self.handle = _small_outputs(compiled)  # see [Note: a bounded dispatch queue]
+
+
+# [Note: a bounded dispatch queue]
+# JAX dispatches executions asynchronously, so a loop that reads no value (a training loop logging
+# every 100 steps) runs ahead of the devices without bound. XLA's CPU client does not survive that:
+# with about 100 steps of an 8-device program in flight its in-process collectives stop meeting (a
+# rendezvous waits 20 s, then aborts the process), in pure JAX as well (jax 0.10.2, 8 virtual CPU
+# devices; blocking every 10 steps avoids it). So each execution leaves handles, its scalar results
+# (a loss, typically), and dispatching one more than ``MAX_IN_FLIGHT`` first waits for the oldest.
+# Eight steps ahead is ample overlap of host and devices on any platform. A handle a later execution
+# consumed (donated) is skipped: that execution is in the queue too. A program without small results
+# leaves none (holding large ones would keep memory alive). The compiled step chooses its own handles
+# (its returned tensors): a reference to state it donates would make it copy that state instead.
+MAX_IN_FLIGHT = 8
+_HANDLE_BYTES = 64
+_in_flight: collections.deque = collections.deque()
+
+
+def _small_outputs(compiled) -> tuple:
+    """Positions of the executable's outputs of at most ``_HANDLE_BYTES`` (at most 4)."""
+    outs = jax.tree.leaves(getattr(compiled, "out_info", ()))
+    return small_results([(i, (o.shape, o.dtype)) for i, o in enumerate(outs)])
+
+
+def small_results(results) -> tuple:
+    """Of ``(position, (shape, dtype))`` pairs, the positions of results of at most
+    ``_HANDLE_BYTES`` (at most 4): the handles of [Note: a bounded dispatch queue]."""
+    return tuple(p for p, (shape, dtype) in results
+                 if math.prod(shape) * dtype.itemsize <= _HANDLE_BYTES)[:4]
+
+
+def dispatched(results, handles: tuple) -> None:
+    """Called right after an execution returned ``results``: keeps ``results[p]`` for ``p`` in
+    ``handles``, and waits for the oldest execution once more than ``MAX_IN_FLIGHT`` are kept (see
+    [Note: a bounded dispatch queue])."""
+    if not handles:
+        return
+    _in_flight.append(tuple(results[p] for p in handles))
+    while len(_in_flight) > MAX_IN_FLIGHT:
+        _wait(_in_flight.popleft())
+
+
+def _wait(arrays) -> None:
+    for array in arrays:
+        if not array.is_deleted():
+            try:
+                array.block_until_ready()
+            except jax.errors.JaxRuntimeError:
+                pass  # that execution's error is raised where its values are read
+            return
+
+
+def drain() -> None:
+    """Waits for every execution in the queue, and lets its handles go."""
+    while _in_flight:
+        _wait(_in_flight.popleft())
 
 
 _CACHE: dict = {}

@@ -244,6 +244,7 @@ def _run(exe, graph: Graph, donatable: tuple) -> list:
                 values[i] = jax.device_put(values[i], may_alias=False)
     with trace.phase(trace.EXECUTE):
         results = exe.compiled(*values)
+    compiler.dispatched(results, exe.handle)
     return results
 
 
@@ -294,6 +295,7 @@ def evaluate(nodes) -> list:
 
 def wait_all() -> None:
     """Blocks until every dispatched computation has finished."""
+    compiler.drain()
     for c in live_cells():
         if settled(c.value):
             payload = stored(c.value).payload

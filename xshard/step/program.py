@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from xshard.core import api, arrays, divergence, ir, rng, runtime, trace
+from xshard.core import api, arrays, compiler, divergence, ir, rng, runtime, trace
 from xshard.step import optim as optim_support
 from xshard.step import state as st
 
@@ -205,6 +205,7 @@ class Program:
         self.donated: list = []  # (input position, slot) of each consumed input
         self.copied: list[int] = []  # inputs the executable consumes that must be kept
         self.draws = 0  # random draws per call
+        self.handles: tuple = ()  # outputs that bound the calls in flight (compiler.dispatched)
         self.constant_values: list = []  # per input: the constant, or None (see prepare)
         self.state_inputs: list = []
         self.other_inputs: list = []
@@ -359,7 +360,9 @@ class Program:
         for position in self.copied:
             values[position] = _copy(values[position])
         with trace.phase(trace.EXECUTE):
-            return self.compiled(*values)
+            results = self.compiled(*values)
+        compiler.dispatched(results, self.handles)
+        return results
 
     def _scalars(self, values) -> list:
         """The Python numbers this call runs on, for the multi-process check: the stream's, the

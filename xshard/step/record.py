@@ -388,6 +388,10 @@ class Recording:
                                        if isinstance(slots[w.slot], st.ArgSlot))
         program.returns = (out_def, [(k, owners[a], b) if k == "new" else (k, a, b)
                                      for k, a, b in returns])
+        # What bounds the calls in flight: the tensors it returns (see [Note: a bounded dispatch
+        # queue] in xshard.core.compiler), never state it donates.
+        program.handles = compiler.small_results(
+            [(a, b) for k, a, b in program.returns[1] if k == "new"])
         return values, graph
 
     def _first_run(self, program: Program, planned, exits, wrapped):
