@@ -165,7 +165,14 @@ class Executable:
         self.describe = describe
         self.digest = digest  # of the lowered program, compared across processes (divergence.py)
         self.moves = moves  # the graph's placement plan (see xshard.core.placement)
-        self.handle = _small_outputs(compiled)  # see [Note: a bounded dispatch queue]
+        self.handle = None  # see [Note: a bounded dispatch queue]; set by the first handles()
+
+    def handles(self, results) -> tuple:
+        """Which of this executable's results bound the executions in flight (the same every call:
+        taken from the first call's results)."""
+        if self.handle is None:
+            self.handle = small_results([(i, (a.shape, a.dtype)) for i, a in enumerate(results)])
+        return self.handle
 
 
 # [Note: a bounded dispatch queue]
@@ -182,12 +189,6 @@ class Executable:
 MAX_IN_FLIGHT = 8
 _HANDLE_BYTES = 64
 _in_flight: collections.deque = collections.deque()
-
-
-def _small_outputs(compiled) -> tuple:
-    """Positions of the executable's outputs of at most ``_HANDLE_BYTES`` (at most 4)."""
-    outs = jax.tree.leaves(getattr(compiled, "out_info", ()))
-    return small_results([(i, (o.shape, o.dtype)) for i, o in enumerate(outs)])
 
 
 def small_results(results) -> tuple:

@@ -244,7 +244,7 @@ def _run(exe, graph: Graph, donatable: tuple) -> list:
                 values[i] = jax.device_put(values[i], may_alias=False)
     with trace.phase(trace.EXECUTE):
         results = exe.compiled(*values)
-    compiler.dispatched(results, exe.handle)
+    compiler.dispatched(results, exe.handles(results))
     return results
 
 
