@@ -284,8 +284,8 @@ def _searchsorted(sorted_sequence, values, out_int32=False, right=False, side=No
 
 def _reversed_order(x):
     """A key that sorts ``x``'s elements in the opposite order: ``-x`` for floats (NaN stays NaN),
-    ``~x`` for integers and bools (``-x`` overflows at the most negative value and wraps
-    unsigned ones: uint8 200 would sort below 3)."""
+    ``~x`` for integers and bools (``-x`` overflows at the most negative value, and for unsigned
+    ones keeps 0 at the bottom: a descending uint8 sort put 0 first)."""
     return -x if _category(x.dtype) == _FLOAT else ~x
 
 
