@@ -11,7 +11,7 @@ import textwrap
 import torch
 
 import xshard
-from compile_testing import DEV, GPT_TINY
+from compile_testing import DEV, GPT_TINY, compiled_step
 from xshard.core import compiler
 from xshard.step import program as program_module
 from xshard.fsdp import FSDP, transformer_auto_wrap_policy
@@ -34,26 +34,16 @@ def _batches(n):
              torch.randint(0, 64, (8, 16), generator=g).to(DEV)) for _ in range(n)]
 
 
-def _step(model, opt):
-    def train_step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return train_step
-
-
 def test_lazy_and_compiled_loops_keep_at_most_max_in_flight():
     model, opt = _fsdp_gpt()
     data = _batches(3 * compiler.MAX_IN_FLIGHT)
-    lazy = _step(model, opt)
+    step = compiled_step(model, opt)
+    lazy = step.fn  # the same function, run lazily
     losses = []
     for x, y in data:
         losses.append(lazy(x, y))
         xshard.sync()
         assert len(compiler._in_flight) <= compiler.MAX_IN_FLIGHT
-    step = xshard.compile(_step(model, opt))
     for x, y in data:
         losses.append(step(x, y))
         assert len(compiler._in_flight) <= compiler.MAX_IN_FLIGHT
@@ -67,7 +57,7 @@ def test_lazy_and_compiled_loops_keep_at_most_max_in_flight():
 
 def test_compiled_loop_still_donates_its_state(monkeypatch):
     model, opt = _fsdp_gpt()
-    step = xshard.compile(_step(model, opt))
+    step = compiled_step(model, opt)
     data = _batches(compiler.MAX_IN_FLIGHT + 4)
     for x, y in data[:3]:
         step(x, y)
