@@ -96,6 +96,18 @@ class Cell:
         self.version += 1
         self.error = None
 
+    def write_data(self, value: ir.Node) -> None:
+        """``write(value)`` for device data ``value`` (a compiled step's stores, many per call):
+        the common case, data replacing data, without the general bookkeeping."""
+        old = self.value
+        if old.op is not ir.DATA or self.error is not None:
+            self.write(value)
+            return
+        old.holders -= 1
+        value.holders += 1
+        self.value = value
+        self.version += 1
+
     def __del__(self):
         try:
             _LIVE.pop(id(self), None)

@@ -196,6 +196,7 @@ class Program:
         self.expect_node: list = []
         self.inputs: list = []  # per executable input: (kind, a, b)
         self.writes: list[Write] = []
+        self.write_plan = None  # per write (position, slot, node maker, Write), after the first
         self.clears: list[int] = []  # slots the step leaves empty
         self.arg_writes: frozenset = frozenset()  # argument slots the step writes
         self.returns = None  # (treedef, per leaf (kind, a, b))
@@ -393,32 +394,21 @@ class Program:
             for position in self.placement:
                 results[position] = api.placed(results[position])
         slots, storage, expect_node = self.slots, self.storage, self.expect_node
-        write = api.write_storage
-        for w in self.writes:
-            i = w.slot
-            array = results[w.position]
-            # An executable lays each output out the same way every call (see Write.node).
-            maker = w.maker
-            node = maker(array) if maker is not None else w.node(array)
-            target = storage[i]
-            if target is not None:  # the guard saw the object the program left there
-                write(target, node)
-                if expect_node[i] is not None:
-                    expect_node[i] = node
-                continue
-            if target is None and i in self.arg_writes:  # this call's argument, changed
-                arg = slots[i].get()
-                target = api.storage(arg)
-                if w.annotation is not None and api.annotation(arg) is not w.annotation:
-                    api.set_annotation(arg, w.annotation)
-            if target is not None:  # the guard saw the object the program left there
-                write(target, node)
-                if expect_node[i] is not None:
-                    expect_node[i] = node
-            else:  # a slot the step fills with a new tensor
-                obj = api.new_tensor(node, w.annotation)
-                slots[i].set(obj)
-                self.adopt(i, obj)
+        write = api.write_data
+        plan = self.write_plan
+        if plan is None:  # the recording call: each Write makes its node maker from the array
+            for w in self.writes:
+                self._store(w, w.node(results[w.position]))
+        else:
+            for position, i, maker, w in plan:
+                node = maker(results[position])
+                target = storage[i]
+                if target is not None:  # the guard saw the object the program left there
+                    write(target, node)
+                    if expect_node[i] is not None:
+                        expect_node[i] = node
+                else:
+                    self._store(w, node)
         for i in self.clears:
             if slots[i].get() is not None:
                 slots[i].set(None)
@@ -427,9 +417,9 @@ class Program:
             self.expect[i] = _UNSTEADY
         for module, training in self.flags_after:
             module.training = training
-        treedef, plan = self.returns
+        treedef, returns = self.returns
         out = []
-        for kind, a, b in plan:
+        for kind, a, b in returns:
             if kind == "new":
                 out.append(api.new_tensor(api.data_node(results[a], *b)))
             elif kind == "slot":
@@ -437,6 +427,24 @@ class Program:
             else:
                 out.append(a)
         return pytree.tree_unflatten(out, treedef)
+
+    def _store(self, w: Write, node) -> None:
+        """Stores ``node`` (output ``w.position``) into its slot, whatever the slot holds now."""
+        i, slots = w.slot, self.slots
+        target = self.storage[i]
+        if target is None and i in self.arg_writes:  # this call's argument, changed
+            arg = slots[i].get()
+            target = api.storage(arg)
+            if w.annotation is not None and api.annotation(arg) is not w.annotation:
+                api.set_annotation(arg, w.annotation)
+        if target is not None:  # the guard saw the object the program left there
+            api.write_data(target, node)
+            if self.expect_node[i] is not None:
+                self.expect_node[i] = node
+        else:  # a slot the step fills with a new tensor
+            obj = api.new_tensor(node, w.annotation)
+            slots[i].set(obj)
+            self.adopt(i, obj)
 
     def measure_after_first_store(self) -> None:
         """After the recording call stored its results: the objects it left, the slots whose form
@@ -447,6 +455,7 @@ class Program:
         self.unsteady = [i for i in self.guarded if spec_of(self.expect[i]) != self.specs[i]]
         self.measure_refs()
         self.refresh_getters()
+        self.write_plan = [(w.position, w.slot, w.maker, w) for w in self.writes]
         for i in self.unsteady:
             self.expect[i] = _UNSTEADY
 
