@@ -8,7 +8,7 @@ import torch
 from xshard.core import runtime
 from xshard.core.lowering.linalg import _mm_precision
 from xshard.core.lowering.shape import _lowest
-from xshard.core.lowering.table import rule
+from xshard.core.lowering.table import astype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -335,10 +335,8 @@ def _nll_loss_forward(x, target, weight, reduction, ignore_index):
         x = x[None]
         target = target[None]
     picked = -jnp.take_along_axis(x, jnp.clip(target, 0, x.shape[1] - 1)[:, None], axis=1)[:, 0]
-    valid = target != ignore_index
-    w = jnp.ones((x.shape[1],), x.dtype) if weight is None else weight
-    wt = jnp.where(valid, w[jnp.clip(target, 0, x.shape[1] - 1)], 0)
-    losses = picked * wt
+    wt = _class_weights(x, target, weight, ignore_index)
+    losses = jnp.where(target != ignore_index, picked * wt, 0)  # an ignored row is 0, even NaN
     total_weight = jnp.sum(wt)
     if reduction == 0:
         return losses, jnp.zeros((), x.dtype)
@@ -353,18 +351,26 @@ def _nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_w
     if squeeze:
         x = x[None]
         target = target[None]
-    n, c = x.shape
-    safe = jnp.clip(target, 0, c - 1)
-    w = jnp.ones((c,), x.dtype) if weight is None else weight
-    wt = jnp.where(target != ignore_index, w[safe], 0)
+    wt = _class_weights(x, target, weight, ignore_index)
     if reduction == 0:
         g = grad.reshape(-1) * wt
     elif reduction == 1:
         g = grad * wt / total_weight
     else:
         g = grad * wt
-    out = jnp.zeros((n, c), x.dtype).at[jnp.arange(n), safe].set(-g.astype(x.dtype))
+    # -g at each row's target column: an elementwise select (a scatter into zeros at (row, target)
+    # would make the SPMD partitioner gather the targets of every device, the rows being implicit).
+    hit = jnp.clip(target, 0, x.shape[1] - 1)[:, None] == jnp.arange(x.shape[1])
+    out = jnp.where(hit, -g.astype(x.dtype)[:, None], jnp.zeros((), x.dtype))
     return out[0] if squeeze else out
+
+
+def _class_weights(x, target, weight, ignore_index):
+    """Each row's weight: its target class's (1 without ``weight``), 0 where ignored."""
+    valid = target != ignore_index
+    if weight is None:
+        return astype(valid, x.dtype)
+    return jnp.where(valid, weight[jnp.clip(target, 0, x.shape[1] - 1)], 0)
 
 
 @rule(aten.mse_loss.default)
