@@ -25,7 +25,10 @@ import torch
 
 from differential import (DEVICE, TIE_SENSITIVE, InvalidProgram, Ref, Step, n_values, settle)
 
-DTYPES = (torch.float32, torch.int64, torch.bool)
+# Drawn uniformly: float32, int64 and bool most often; uint8 (unsigned wrap-around, ordering),
+# int32 and bfloat16 (promotion between narrow types, rounding) less.
+DTYPES = (torch.float32, torch.float32, torch.int64, torch.int64, torch.bool, torch.bool,
+          torch.uint8, torch.int32, torch.bfloat16)
 
 
 # -- the generator's state -------------------------------------------------------------------------
@@ -177,6 +180,8 @@ def make_data(rng: random.Random, shape, dtype) -> torch.Tensor:
         if n and rng.random() < 0.08:
             values[rng.randrange(n)] = rng.choice([math.nan, math.inf, -math.inf, -0.0])
         return torch.tensor(values, dtype=dtype).reshape(shape)
+    if dtype == torch.uint8:  # around 0 too: the largest values stand for small negative ones
+        return torch.tensor([(p - n // 2) % 256 for p in perm], dtype=dtype).reshape(shape)
     return torch.tensor([p - n // 2 for p in perm], dtype=dtype).reshape(shape)
 
 

@@ -381,3 +381,32 @@ def test_log_softmax_of_an_empty_bool_tensor():
     "kernel returns bool; xshard takes result dtypes from meta kernels"))
 def test_pow_of_bools_keeps_bool():
     check_eager(lambda x: torch.pow(x, False), torch.tensor([False, True]))
+
+
+@pytest.mark.filterwarnings("ignore:xshard has no lowering")
+@pytest.mark.parametrize("align_corners", [True, False])
+def test_bilinear_resize_of_uint8_rounds_as_eager(align_corners):
+    """PyTorch's decomposition rounded 6.5 to 6 (eager: 7) and weighs in float where eager weighs
+    in fixed point; uint8 inputs now run eagerly."""
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
+    for x, size in ((torch.tensor([[[[4], [9]]]], dtype=torch.uint8), (3, 1)), (images, (9, 4))):
+        check_eager(lambda v: torch.nn.functional.interpolate(
+            v, size=size, mode="bilinear", align_corners=align_corners), x, rtol=0, atol=0)
+
+
+def test_eye_divided_by_zero_is_nan_off_the_diagonal():
+    """jnp.eye converts its mask, and XLA rewrote ``eye / 0`` as a select: 0, not NaN, off the
+    diagonal (found through ``addcdiv(x, eye, zeros)``)."""
+    def fn(x, zeros):
+        return torch.addcdiv(x, torch.eye(3, 4, device=x.device), zeros), \
+            torch.eye(3, device=x.device) / zeros[:3]
+    check_eager(fn, torch.zeros(3, 4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
+
+
+def test_nll_loss_of_an_ignored_row_is_zero_even_when_nan():
+    x = torch.tensor([[float("nan"), 1.0, 2.0], [0.0, 1.0, 2.0], [float("inf"), 0.0, 1.0]])
+    target = torch.tensor([0, 1, 0])
+    for reduction in ("none", "sum", "mean"):
+        check_eager(lambda v, t: torch.nn.functional.nll_loss(v, t, reduction=reduction,
+                                                               ignore_index=0), x, target)

@@ -70,6 +70,28 @@ NO_DEFAULT = object()
 COMPOSITES: dict = {}
 
 
+def _floating_only(func):
+    """PyTorch's decomposition of ``func`` for floating-point inputs; integer inputs run eagerly
+    (``NotImplemented`` sends them to the CPU fallback)."""
+    decomposition = decomposition_table[func]
+
+    def decompose(x, *args, **kwargs):
+        if not x.dtype.is_floating_point:
+            return NotImplemented
+        return decomposition(x, *args, **kwargs)
+
+    return decompose
+
+
+# Where PyTorch's decomposition differs from its eager CPU kernel, by op.
+DECOMPOSITIONS = {
+    # uint8 bilinear resizing: the CPU kernel weighs in fixed point, one dim at a time, rounding
+    # in between; the decomposition weighs in float32 and rounds once, half to even. The results
+    # differ by 1 at many pixels (6.5 gives 6, eager 7).
+    aten.upsample_bilinear2d.default: _floating_only(aten.upsample_bilinear2d.default),
+}
+
+
 class OpFacts:
     """What the recorder needs to know about one aten overload."""
 
@@ -107,7 +129,7 @@ class OpFacts:
                              and _same_arguments(func, self.functional))
         self.rule = RULES.get(func)
         self.inherit_sharding = func in INHERIT_SHARDING
-        self.decomposition = decomposition_table.get(func)
+        self.decomposition = DECOMPOSITIONS.get(func) or decomposition_table.get(func)
         index_op = func.overloadpacket in _CPU_INDEX_OPS
         self.cpu_index_names = _CPU_INDEX_ARGUMENTS if index_op else frozenset()
         self.cpu_index_positions = frozenset(

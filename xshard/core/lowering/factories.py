@@ -9,7 +9,7 @@ import torch
 
 from xshard.core import runtime
 from xshard.core.lowering.promotion import _FLOAT, _INT, _category
-from xshard.core.lowering.table import np_dtype, rule
+from xshard.core.lowering.table import astype, np_dtype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -79,12 +79,16 @@ def _triu_indices(row, col, offset=0, dtype=None, **kwargs):
 
 @rule(aten.eye.default)
 def _eye(n, dtype=None, **kwargs):
-    return jnp.eye(n, dtype=np_dtype(dtype))
+    return _eye_m(n, n, dtype)
 
 
 @rule(aten.eye.m)
 def _eye_m(n, m, dtype=None, **kwargs):
-    return jnp.eye(n, m, dtype=np_dtype(dtype))
+    # Not jnp.eye: it converts the diagonal mask (see ``astype``), and XLA then turned
+    # ``eye / 0`` into 0 off the diagonal where PyTorch gives NaN.
+    diagonal = jax.lax.broadcasted_iota(np.int32, (n, m), 0) == \
+        jax.lax.broadcasted_iota(np.int32, (n, m), 1)
+    return astype(diagonal, np_dtype(dtype))
 
 
 @rule(aten.linspace.default)
