@@ -7,6 +7,8 @@ reported as a minimal runnable program (or sequence of programs sharing the exec
 Below the fuzz tests: the bugs it found, each as a plain regression test.
 """
 
+import itertools
+import math
 import random
 
 import pytest
@@ -410,3 +412,13 @@ def test_nll_loss_of_an_ignored_row_is_zero_even_when_nan():
     for reduction in ("none", "sum", "mean"):
         check_eager(lambda v, t: torch.nn.functional.nll_loss(v, t, reduction=reduction,
                                                                ignore_index=0), x, target)
+
+
+def test_incomplete_gamma_special_cases_as_aten():
+    """igamma(0, 0.5) was NaN (ATen: 1), igamma(nan, 0) NaN (ATen: 0), igamma(inf, -1) 0 (ATen:
+    NaN): ATen's special cases, in its order, come before jax's series."""
+    values = [0.0, -1.0, 0.5, 2.0, math.inf, -math.inf, math.nan, 1e-3, 30.0]
+    a = torch.tensor([v for v, _ in itertools.product(values, values)])
+    x = torch.tensor([w for _, w in itertools.product(values, values)])
+    check_eager(lambda a, x: (torch.igamma(a, x), torch.igammac(a, x)), a, x, atol=1e-5,
+                rtol=1e-5)

@@ -195,19 +195,26 @@ def _threshold_backward(grad, x, threshold):
 
 @rule(aten.igamma, torch.ops.prims.igamma.default)
 def _igamma(a, x):
-    a, x = promote(a, x)
-    a, x = _float_like(a), _float_like(x)
-    # ATen's at a = inf: 0 for a finite x, NaN for x = inf (jax: NaN and 1)
-    return jnp.where(a == jnp.inf, jnp.where(x == jnp.inf, jnp.nan, 0.0).astype(a.dtype),
-                     jax.scipy.special.gammainc(a, x))
+    return _incomplete_gamma(a, x, jax.scipy.special.gammainc, lower=True)
 
 
 @rule(aten.igammac, torch.ops.prims.igammac.default)
 def _igammac(a, x):
+    return _incomplete_gamma(a, x, jax.scipy.special.gammaincc, lower=False)
+
+
+def _incomplete_gamma(a, x, fn, lower: bool):
+    """ATen's regularised incomplete gamma: its special cases first, in its order (NaN where a or
+    x is negative; a = 0; x = 0, even for a NaN a; a = inf; x = inf), then jax's ``fn``."""
     a, x = promote(a, x)
     a, x = _float_like(a), _float_like(x)
-    return jnp.where(a == jnp.inf, jnp.where(x == jnp.inf, jnp.nan, 1.0).astype(a.dtype),
-                     jax.scipy.special.gammaincc(a, x))
+    full, empty = (1.0, 0.0) if lower else (0.0, 1.0)
+    out = fn(a, x)
+    out = jnp.where(jnp.isinf(x), full, out)
+    out = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), jnp.nan, empty), out)
+    out = jnp.where(x == 0, empty, out)
+    out = jnp.where(a == 0, jnp.where(x > 0, full, jnp.nan), out)
+    return jnp.where((x < 0) | (a < 0), jnp.nan, out).astype(a.dtype)
 
 
 @rule(aten.special_modified_bessel_i0)
