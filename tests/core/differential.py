@@ -329,9 +329,11 @@ def _ambiguous(name: str, args, kwargs) -> bool:
     if not floats:
         return False
     x = floats[0].double()
-    if name in _CONVERSIONS:  # to an integer dtype: a rounding; to bool: a test against 0
-        dtypes = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.dtype)]
+    dtypes = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+              if isinstance(a, torch.dtype)]
+    if name in _CONVERSIONS or (dtypes and _is_integral(dtypes[0])):
+        # To an integer dtype (a conversion, or an op's dtype= such as cumsum's): a rounding; to
+        # bool: a test against 0.
         if not dtypes:
             return False
         if dtypes[0] == torch.bool:
