@@ -391,6 +391,12 @@ class _EagerRules(torch.utils._python_dispatch.TorchDispatchMode):
         if targets and any(_unrepresentable(v, targets) for v in flat):
             raise InvalidProgram(f"{func}: a float that {sorted(map(str, targets))} cannot "
                                  f"represent, converted")
+        if name in ("median", "nanmedian") and len(args) == 1 and args[0].numel() == 0 and \
+                not args[0].is_floating_point():
+            raise InvalidProgram(f"{func} of no integers: eager converts a NaN to the dtype")
+        if name == "roll" and args[0].numel() == 0:
+            raise InvalidProgram("roll of an empty tensor: eager checks no dims (xshard's meta "
+                                 "kernel does)")
         if name in ("grid_sampler_2d", "grid_sampler_3d") and len(args) > 3 and not (
                 args[2] in (0, 1, 2) and args[3] in (0, 1, 2)):
             raise InvalidProgram(f"{func}: no such interpolation or padding mode (eager reads "

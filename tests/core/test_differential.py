@@ -422,3 +422,16 @@ def test_incomplete_gamma_special_cases_as_aten():
     x = torch.tensor([w for _, w in itertools.product(values, values)])
     check_eager(lambda a, x: (torch.igamma(a, x), torch.igammac(a, x)), a, x, atol=1e-5,
                 rtol=1e-5)
+
+
+def test_running_sums_of_bfloat16_accumulate_in_float32():
+    """A bfloat16 cumsum rounded every partial sum (-15.0 where eager gives -14.9375)."""
+    x = torch.tensor([[-7.9375], [-3.03125], [-3.96875], [4.15625], [8.375]], dtype=torch.bfloat16)
+    check_eager(lambda v: (torch.cumsum(v, 0), torch.cumprod(v / 4, 0),
+                           torch.logcumsumexp(v, 0)), x, rtol=0, atol=0)
+
+
+def test_median_of_no_floats_is_nan():
+    """The lowering indexed the sorted values of an empty tensor and failed."""
+    check_eager(lambda v: (torch.median(v), torch.nanmedian(v), torch.median(v[0, 1:])),
+                torch.zeros((1, 0)))

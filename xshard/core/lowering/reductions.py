@@ -199,23 +199,27 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
 
 @rule(aten.cumsum)
 def _cumsum(x, dim, dtype=None):
-    acc = _acc_dtype(x, dtype)
-    if x.ndim == 0:
-        return x.astype(acc)
-    return jnp.cumsum(x.astype(acc), axis=dim % x.ndim)
+    return _scan(jnp.cumsum, x.astype(_acc_dtype(x, dtype)), dim)
 
 
 @rule(aten.cumprod)
 def _cumprod(x, dim, dtype=None):
-    acc = _acc_dtype(x, dtype)
-    if x.ndim == 0:
-        return x.astype(acc)
-    return jnp.cumprod(x.astype(acc), axis=dim % x.ndim)
+    return _scan(jnp.cumprod, x.astype(_acc_dtype(x, dtype)), dim)
 
 
 @rule(aten.logcumsumexp)
 def _logcumsumexp(x, dim):
-    return lax.cumlogsumexp(x, axis=dim % x.ndim) if x.ndim else x
+    return _scan(lambda v, axis: lax.cumlogsumexp(v, axis=axis), x, dim)
+
+
+def _scan(fn, x, dim):
+    """A running ``fn`` along ``dim``; 16-bit floats run in float32 and round each result, as
+    ATen accumulates them (a bfloat16 running sum rounds every partial sum: 1 in 64 off)."""
+    if x.ndim == 0:
+        return x
+    if x.dtype in (np.float16, jnp.bfloat16):
+        return fn(x.astype(np.float32), axis=dim % x.ndim).astype(x.dtype)
+    return fn(x, axis=dim % x.ndim)
 
 
 def _cum_extreme(x, dim, better):
@@ -247,8 +251,16 @@ def _cummin(x, dim):
     return _cum_extreme(x, dim, jnp.less)
 
 
+def _empty_median(x):
+    """The median of no values: NaN, or an integer dtype's lowest value (eager converts a NaN)."""
+    return jnp.asarray(jnp.nan if _category(x.dtype) == _FLOAT else
+                       False if x.dtype == np.bool_ else jnp.iinfo(x.dtype).min, x.dtype)
+
+
 @rule(aten.median.default)
 def _median(x):
+    if x.size == 0:
+        return _empty_median(x)
     flat = jnp.sort(jnp.ravel(x))  # NaNs sort last
     value = flat[(flat.size - 1) // 2]
     if _category(x.dtype) == _FLOAT:
@@ -258,6 +270,8 @@ def _median(x):
 
 @rule(aten.nanmedian.default)
 def _nanmedian(x):
+    if x.size == 0:
+        return _empty_median(x)
     flat = jnp.sort(jnp.ravel(x))
     if _category(x.dtype) != _FLOAT:
         return flat[(flat.size - 1) // 2]
