@@ -394,6 +394,10 @@ class _EagerRules(torch.utils._python_dispatch.TorchDispatchMode):
         if name in ("median", "nanmedian") and len(args) == 1 and args[0].numel() == 0 and \
                 not args[0].is_floating_point():
             raise InvalidProgram(f"{func} of no integers: eager converts a NaN to the dtype")
+        if name.startswith(("upsample_", "_upsample_")) and args[0].dtype == torch.bfloat16:
+            raise InvalidProgram(f"{func} in bfloat16: ATen's kernel rounds its weights and "
+                                 f"sums to bfloat16 (xshard computes in float32 and rounds once, "
+                                 f"nearer the exact value; they differ where terms cancel)")
         if name == "roll" and args[0].numel() == 0:
             raise InvalidProgram("roll of an empty tensor: eager checks no dims (xshard's meta "
                                  "kernel does)")

@@ -435,3 +435,10 @@ def test_median_of_no_floats_is_nan():
     """The lowering indexed the sorted values of an empty tensor and failed."""
     check_eager(lambda v: (torch.median(v), torch.nanmedian(v), torch.median(v[0, 1:])),
                 torch.zeros((1, 0)))
+
+
+def test_foreach_sign_of_nan_is_zero_as_sign():
+    """_foreach_sign lowered to jnp.sign (NaN for NaN) where sign gives 0, as ATen."""
+    x = torch.tensor([math.nan, -0.0, 2.0, -math.inf])
+    check_eager(lambda v: (torch._foreach_sign([v])[0], torch._foreach_abs([v])[0],
+                           torch._foreach_neg([v])[0], torch.sign(v)), x)

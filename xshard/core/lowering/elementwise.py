@@ -47,7 +47,8 @@ for _op, _fn in _UNARY_FLOAT.items():
 _UNARY_SAME = {
     aten.neg: jnp.negative, aten.abs: jnp.abs, aten.floor: jnp.floor, aten.ceil: jnp.ceil,
     aten.trunc: jnp.trunc, aten.bitwise_not: lambda x: ~x,
-    aten.sign: lambda x: jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), jnp.sign(x)),  # NaN: 0
+    # NaN and -0.0: +0.0, as ATen's (0 < x) - (x < 0)
+    aten.sign: lambda x: jnp.where(jnp.isnan(x) | (x == 0), jnp.zeros((), x.dtype), jnp.sign(x)),
     aten.positive: lambda x: x, aten.square: lambda x: x * x,
 }
 # Identities on bools (all but bitwise_not/square) and, for rounding, on integers.

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from xshard.core import runtime
 from xshard.core.lowering.elementwise import (
     _UNARY_FLOAT, _add, _addcdiv, _addcmul, _clamp, _copy, _div, _lerp, _pow, _sub, _unary_float,
     _zero)
 from xshard.core.lowering.reductions import _maximum, _vector_norm
 from xshard.core.lowering.table import RULES, rule
-
-jax = runtime.jax_module()
-import jax.numpy as jnp  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -40,10 +36,10 @@ _FOREACH_UNARY = {
 }
 for _name, _fn in _FOREACH_UNARY.items():
     rule(getattr(aten, f"_foreach_{_name}").default)(_foreach(_unary_float(_fn), 1))
-rule(aten._foreach_neg.default)(_foreach(jnp.negative, 1))
-rule(aten._foreach_abs.default)(_foreach(jnp.abs, 1))
+for _name in ("neg", "abs", "sign"):  # as the single-tensor op (sign of NaN: 0, as ATen)
+    rule(getattr(aten, f"_foreach_{_name}").default)(
+        _foreach(RULES[getattr(aten, _name).default], 1))
 rule(aten._foreach_zero.default)(_foreach(_zero, 1))
-rule(aten._foreach_sign.default)(_foreach(jnp.sign, 1))
 
 for _name, _fn in {"add": _add, "sub": _sub, "mul": RULES[aten.mul.Tensor],
                    "div": _div, "maximum": _maximum,
