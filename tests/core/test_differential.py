@@ -442,3 +442,28 @@ def test_foreach_sign_of_nan_is_zero_as_sign():
     x = torch.tensor([math.nan, -0.0, 2.0, -math.inf])
     check_eager(lambda v: (torch._foreach_sign([v])[0], torch._foreach_abs([v])[0],
                            torch._foreach_neg([v])[0], torch.sign(v)), x)
+
+
+def test_bfloat16_arithmetic_rounds_as_aten():
+    """ATen computes bfloat16 in float and rounds once: addcdiv rounded t1 / t2 first (0.0625
+    where eager gives 0.0356); a Python factor of mul and div stays unrounded, an addend and
+    alpha of add and sub are rounded first."""
+    x = torch.tensor([-8.0], dtype=torch.bfloat16)
+    t1 = torch.tensor([[[-3.515625]]], dtype=torch.bfloat16)
+    t2 = torch.tensor([[-0.4375]], dtype=torch.bfloat16)
+    check_eager(lambda x, t1, t2: torch.addcdiv(x, t1, t2), x, t1, t2, rtol=0, atol=0)
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(3, 1000, generator=g) * 3).bfloat16()
+    check_eager(lambda a, b, c: (
+        torch.addcmul(a, b, c, value=0.7), torch.addcdiv(a, b, c, value=0.7), torch.lerp(a, b, 0.3),
+        torch.lerp(a, b, c), a * 0.7, a / 0.7, 0.7 - a, a + 0.7, a - 0.7),
+        a, b, c, rtol=0, atol=0)
+
+
+def test_special_functions_exact_where_aten_is():
+    """erfcx was 0 on (9.19, 9.42) (jax's float32 erfcx: exp(x**2) * erfc(x) after erfc
+    underflows); lgamma(1) was 4.8e-7, not 0."""
+    x = torch.tensor([0.5, 5.0, 8.5, 9.195, 9.25, 9.4, 9.5, 20.0, 1e4, -2.0])
+    check_eager(torch.special.erfcx, x, rtol=2e-6, atol=0)
+    check_eager(lambda v: (torch.lgamma(v), torch.lgamma(v) == 0),
+                torch.tensor([1.0, 2.0, 3.0, 0.5]), rtol=1e-6, atol=1e-6)

@@ -23,6 +23,25 @@ def _unary_float(fn):
     return lower
 
 
+def _erfcx(x):
+    """exp(x**2) * erfc(x); past ``switch`` its asymptotic series in 1/x**2 (jax's float32 erfcx
+    switches at 9.42, where erfc has already underflowed: 0 on (9.19, 9.42), ATen 0.06)."""
+    wide = x.dtype == np.float64
+    v = x if wide else x.astype(np.float32)
+    switch, n_terms = (20.0, 9) if wide else (8.0, 6)
+    large = v > switch
+    safe = jnp.where(large, jnp.ones((), v.dtype), v)
+    direct = jnp.exp(safe * safe) * jax.scipy.special.erfc(safe)
+    # erfcx(x) ~ 1 / (sqrt(pi) x) * sum_k (-1)^k (2k - 1)!! / (2 x^2)^k
+    t = 1 / (2 * v * v)
+    series, term = jnp.ones_like(v), jnp.ones_like(v)
+    for k in range(1, n_terms):
+        term = term * -(2 * k - 1) * t
+        series = series + term
+    out = jnp.where(large, series / (v * np.sqrt(np.pi)), direct)
+    return out.astype(x.dtype)
+
+
 _UNARY_FLOAT = {
     aten.exp: jnp.exp, aten.exp2: jnp.exp2, aten.expm1: jnp.expm1, aten.log: jnp.log,
     aten.log2: jnp.log2, aten.log10: jnp.log10, aten.log1p: jnp.log1p, aten.sqrt: jnp.sqrt,
@@ -31,14 +50,16 @@ _UNARY_FLOAT = {
     aten.cosh: jnp.cosh, aten.tanh: jnp.tanh, aten.asinh: jnp.arcsinh, aten.acosh: jnp.arccosh,
     aten.atanh: jnp.arctanh, aten.sigmoid: jax.nn.sigmoid, aten.erf: jax.scipy.special.erf,
     aten.erfc: jax.scipy.special.erfc, aten.erfinv: jax.scipy.special.erfinv,
-    aten.lgamma: jax.scipy.special.gammaln,
+    # lgamma(1) = lgamma(2) = 0 exactly, as ATen (XLA's approximation: 4.8e-7 at 1)
+    aten.lgamma: lambda x: jnp.where((x == 1) | (x == 2), jnp.zeros((), x.dtype),
+                                     jax.scipy.special.gammaln(x)),
     aten.digamma: lambda x: jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x)),
     aten.i0: jax.scipy.special.i0, aten.special_i0e: jax.scipy.special.i0e,
     aten.special_i1: jax.scipy.special.i1, aten.special_i1e: jax.scipy.special.i1e,
     aten.reciprocal: jnp.reciprocal, aten.deg2rad: jnp.deg2rad, aten.rad2deg: jnp.rad2deg,
-    aten.sinc: jnp.sinc, aten.special_erfcx: jax.scipy.special.erfcx,
+    aten.sinc: jnp.sinc,
     aten.special_ndtri: jax.scipy.special.ndtri, aten.special_ndtr: jax.scipy.special.ndtr,
-    aten.special_log_ndtr: jax.scipy.special.log_ndtr,
+    aten.special_log_ndtr: jax.scipy.special.log_ndtr, aten.special_erfcx: _erfcx,
     aten.special_entr: jax.scipy.special.entr,
 }
 for _op, _fn in _UNARY_FLOAT.items():
@@ -291,7 +312,7 @@ def _binary(fn, float_only=False):
 
 
 _BINARY = {
-    aten.mul: jnp.multiply, aten.maximum: jnp.maximum, aten.minimum: jnp.minimum,
+    aten.maximum: jnp.maximum, aten.minimum: jnp.minimum,
     aten.fmax: jnp.fmax, aten.fmin: jnp.fmin, aten.eq: jnp.equal, aten.ne: jnp.not_equal,
     aten.lt: jnp.less, aten.le: jnp.less_equal, aten.gt: jnp.greater, aten.ge: jnp.greater_equal,
     aten.logical_and: jnp.logical_and, aten.logical_or: jnp.logical_or,
@@ -315,20 +336,41 @@ for _op, _fn in {aten.atan2: jnp.arctan2, aten.hypot: jnp.hypot, aten.copysign: 
 
 @rule(aten.add)
 def _add(a, b, alpha=1):
-    a, b = promote(a, b)
-    if alpha is not None and not (isinstance(alpha, (int, float)) and alpha == 1):
-        b = b * astype(jnp.asarray(alpha), b.dtype)
+    a, b, alpha, done = _additive(a, b, alpha)
+    if alpha is not None:
+        b = b * alpha
     if a.dtype == np.bool_:
         return a | b
-    return a + b
+    return done(a + b)
 
 
 @rule(aten.sub)
 def _sub(a, b, alpha=1):
+    a, b, alpha, done = _additive(a, b, alpha)
+    return done(a - (b if alpha is None else b * alpha))
+
+
+def _additive(a, b, alpha):
+    """Operands of ``a + alpha * b`` as ATen's add kernel takes them: a Python number and ``alpha``
+    rounded to the result dtype (unlike mul's), then 16-bit floats computed in float32 and
+    rounded once (``done``). ``alpha`` is None when it is 1."""
     a, b = promote(a, b)
-    if not (isinstance(alpha, (int, float)) and alpha == 1):
-        b = b * astype(jnp.asarray(alpha), b.dtype)
-    return a - b
+    if isinstance(alpha, (int, float)) and alpha == 1:
+        alpha = None
+    elif alpha is not None:
+        alpha = astype(jnp.asarray(alpha), b.dtype)
+    if a.dtype in (np.float16, jnp.bfloat16):
+        dtype = a.dtype
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        alpha = None if alpha is None else alpha.astype(np.float32)
+        return a, b, alpha, lambda r: r.astype(dtype)
+    return a, b, alpha, _same
+
+
+@rule(aten.mul)
+def _mul(a, b):
+    (a, b), done = _in_opmath(a, b)
+    return done(a * b) if a.dtype != np.bool_ else a & b
 
 
 @rule(aten.rsub)
@@ -338,10 +380,10 @@ def _rsub(a, b, alpha=1):
 
 @rule(aten.div)
 def _div(a, b, rounding_mode=None):
-    a, b = promote(a, b)
     if rounding_mode is None:
-        a, b = _float_like(a), _float_like(b)
-        return a / b
+        (a, b), done = _in_opmath(a, b)
+        return done(_float_like(a) / _float_like(b))
+    a, b = promote(a, b)
     if rounding_mode == "trunc":
         if _category(a.dtype) == _INT:
             a, b = jnp.broadcast_arrays(a, b)
@@ -429,23 +471,39 @@ def _clamp_max(x, max):
     return _clamp(x, max=max)
 
 
+def _in_opmath(*xs):
+    """``xs`` promoted together, in float32 where that is a 16-bit float, and the function that
+    rounds a result back. ATen computes 16-bit floats in float ("opmath") and rounds once, with
+    Python numbers unrounded: ``x * 0.7`` multiplies by 0.7, not by bfloat16's 0.69921875, and a
+    fused lerp or addcmul rounds once (rounding each step differs where terms cancel)."""
+    dtype = result_dtype(*xs)
+    if dtype in (np.float16, jnp.bfloat16):
+        return tuple(astype(jnp.asarray(x), np.float32) for x in xs), \
+            lambda r: r.astype(dtype)
+    return promote(*xs), _same
+
+
+def _same(r):
+    return r
+
+
 @rule(aten.lerp)
 def _lerp(start, end, weight):
-    start, end, weight = promote(start, end, weight)
-    return jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start),
-                     end - (end - start) * (1 - weight))
+    (start, end, weight), done = _in_opmath(start, end, weight)
+    return done(jnp.where(jnp.abs(weight) < 0.5, start + weight * (end - start),
+                          end - (end - start) * (1 - weight)))
 
 
 @rule(aten.addcmul)
 def _addcmul(x, t1, t2, value=1):
-    x, t1, t2 = promote(x, t1, t2)
-    return x + astype(jnp.asarray(value), x.dtype) * t1 * t2
+    (x, t1, t2, value), done = _in_opmath(x, t1, t2, value)
+    return done(x + value * t1 * t2)
 
 
 @rule(aten.addcdiv)
 def _addcdiv(x, t1, t2, value=1):
-    x, t1, t2 = promote(x, t1, t2)
-    return x + astype(jnp.asarray(value), x.dtype) * (t1 / t2)
+    (x, t1, t2, value), done = _in_opmath(x, t1, t2, value)
+    return done(x + value * (t1 / t2))
 
 
 @rule(aten.fill.Scalar, aten.fill.Tensor)
