@@ -467,3 +467,10 @@ def test_special_functions_exact_where_aten_is():
     check_eager(torch.special.erfcx, x, rtol=2e-6, atol=0)
     check_eager(lambda v: (torch.lgamma(v), torch.lgamma(v) == 0),
                 torch.tensor([1.0, 2.0, 3.0, 0.5]), rtol=1e-6, atol=1e-6)
+
+
+def test_layer_norm_of_equal_values_is_zero():
+    """The mean's rounding normalised a row of equal values to -7.5e-5 (eager: 0)."""
+    rows = torch.stack([torch.full((20,), math.pi / 2), torch.full((20,), 0.1),
+                        torch.full((20,), 1e4 + 0.3)])
+    check_eager(lambda v: torch.nn.functional.layer_norm(v, (20,)), rows, rtol=0, atol=0)
