@@ -353,6 +353,11 @@ def _ambiguous(name: str, args, kwargs) -> bool:
         except RuntimeError:  # shapes that do not broadcast: eager raises on its own
             return False
     if name in _QUOTIENT_BOUNDARY and numbers and (name != "div" or kwargs.get("rounding_mode")):
+        # A remainder keeps a large computed value's noise whole: a few units in the last place
+        # of exp(7.75) = 2321.6 are beyond the tolerance of its fractional part.
+        big = x[x.abs() >= 128]
+        if bool((big * 4 != (big * 4).round()).any()):
+            return True
         other = numbers[0]
         other = other.double() if isinstance(other, torch.Tensor) else torch.tensor(float(other))
         with torch.no_grad():
@@ -398,6 +403,13 @@ class _EagerRules(torch.utils._python_dispatch.TorchDispatchMode):
             raise InvalidProgram(f"{func} in bfloat16: ATen's kernel rounds its weights and "
                                  f"sums to bfloat16 (xshard computes in float32 and rounds once, "
                                  f"nearer the exact value; they differ where terms cancel)")
+        if name == "repeat" and any(r < 0 for r in args[1]):
+            raise InvalidProgram("repeat with a negative count: eager's check depends on the "
+                                 "shape (PyTorch's meta kernel refuses it always)")
+        if name == "index_add" and _is_integral(args[0].dtype) and \
+                type(kwargs.get("alpha", args[4] if len(args) > 4 else 1)) is float:
+            raise InvalidProgram("index_add of integers with a float alpha: eager truncates it, "
+                                 "PyTorch's reference (xshard's meta kernel) refuses it")
         if name == "roll" and args[0].numel() == 0:
             raise InvalidProgram("roll of an empty tensor: eager checks no dims (xshard's meta "
                                  "kernel does)")
