@@ -338,7 +338,8 @@ def _ambiguous(name: str, args, kwargs) -> bool:
             return False
         if dtypes[0] == torch.bool:
             return _near(x, torch.zeros(()))
-        return _is_integral(dtypes[0]) and _near(x, x.trunc())
+        # near an integer on either side: 0.99999994 truncates to 0, 1.0 to 1
+        return _is_integral(dtypes[0]) and _near(x, x.round())
     if name in _ZERO_BOUNDARY:
         return any(_near(f.double(), torch.zeros(())) for f in floats)
     if name in _INTEGER_BOUNDARY:
