@@ -8,7 +8,7 @@ import torch
 from xshard.core import runtime
 from xshard.core.lowering.promotion import (
     _BOOL, _COMPLEX, _FLOAT, _INT, _category, _compute, _float_like, promote, result_dtype)
-from xshard.core.lowering.table import astype, np_dtype, rule
+from xshard.core.lowering.table import astype, in_float32, np_dtype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -18,6 +18,8 @@ aten = torch.ops.aten
 
 
 def _unary_float(fn):
+    fn = in_float32(fn)
+
     def lower(x, *args, **kwargs):
         return fn(_float_like(x))
     return lower
@@ -127,43 +129,51 @@ def _relu(x):
 
 
 @rule(aten.gelu)
+@in_float32
 def _gelu(x, approximate="none"):
     return jax.nn.gelu(x, approximate=approximate == "tanh")
 
 
 @rule(aten.gelu_backward)
+@in_float32
 def _gelu_backward(grad, x, approximate="none"):
     _, vjp = jax.vjp(lambda v: jax.nn.gelu(v, approximate=approximate == "tanh"), x)
     return vjp(grad)[0]
 
 
 @rule(aten.silu)
+@in_float32
 def _silu(x):
     return x * jax.nn.sigmoid(x)
 
 
 @rule(aten.silu_backward)
+@in_float32
 def _silu_backward(grad, x):
     s = jax.nn.sigmoid(x)
     return grad * s * (1 + x * (1 - s))
 
 
 @rule(aten.mish)
+@in_float32
 def _mish(x):
     return x * jnp.tanh(jax.nn.softplus(x))
 
 
 @rule(aten.sigmoid_backward)
+@in_float32
 def _sigmoid_backward(grad, out):
     return grad * out * (1 - out)
 
 
 @rule(aten.tanh_backward)
+@in_float32
 def _tanh_backward(grad, out):
     return grad * (1 - out * out)
 
 
 @rule(aten.softplus)
+@in_float32
 def _softplus(x, beta=1, threshold=20):
     bx = x * beta
     return jnp.where(bx > threshold, x, jnp.log1p(jnp.exp(bx)) / beta)
@@ -190,16 +200,19 @@ def _leaky_relu_backward(grad, x, negative_slope, self_is_result):
 
 
 @rule(aten.elu)
+@in_float32
 def _elu(x, alpha=1, scale=1, input_scale=1):
     return jnp.where(x > 0, x * scale, (jnp.expm1(x * input_scale)) * alpha * scale)
 
 
 @rule(aten.hardsigmoid)
+@in_float32
 def _hardsigmoid(x):
     return jnp.clip(x / 6 + 0.5, 0, 1)
 
 
 @rule(aten.hardswish)
+@in_float32
 def _hardswish(x):
     return x * jnp.clip(x / 6 + 0.5, 0, 1)
 
@@ -303,6 +316,9 @@ def _nan_to_num(x, nan=None, posinf=None, neginf=None):
 
 
 def _binary(fn, float_only=False):
+    if float_only:  # composites (hypot, logaddexp, xlogy): in float32 for 16-bit floats
+        fn = in_float32(fn)
+
     def lower(a, b, *rest, **kwargs):
         a, b = promote(a, b)
         if float_only:
@@ -328,10 +344,12 @@ for _op, _fn in _BINARY.items():
 
 for _op, _fn in {aten.atan2: jnp.arctan2, aten.hypot: jnp.hypot, aten.copysign: jnp.copysign,
                  aten.nextafter: jnp.nextafter, aten.logaddexp: jnp.logaddexp,
-                 aten.logaddexp2: jnp.logaddexp2,
-                 aten.xlogy: jax.scipy.special.xlogy,
-                 aten.special_xlog1py: jax.scipy.special.xlog1py}.items():
+                 aten.logaddexp2: jnp.logaddexp2}.items():
     rule(_op)(_binary(_fn, float_only=True))
+# ATen's xlogy rounds log(y) to a 16-bit x's dtype before the product: not in float32.
+for _op, _fn in {aten.xlogy: jax.scipy.special.xlogy,
+                 aten.special_xlog1py: jax.scipy.special.xlog1py}.items():
+    rule(_op)(_binary(lambda a, b, _fn=_fn: _fn(_float_like(a), _float_like(b))))
 
 
 @rule(aten.add)

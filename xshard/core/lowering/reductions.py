@@ -7,7 +7,7 @@ import torch
 
 from xshard.core import runtime
 from xshard.core.lowering.promotion import _BOOL, _FLOAT, _INT, _category, _float_like, promote
-from xshard.core.lowering.table import np_dtype, rule
+from xshard.core.lowering.table import in_float32, np_dtype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -344,22 +344,26 @@ def _along(fn, x, dim):
 
 
 @rule(aten._softmax)
+@in_float32
 def _softmax(x, dim, half_to_float=False):
     return _along(jax.nn.softmax, x.astype(np.float32) if half_to_float else x, dim)
 
 
 @rule(aten._log_softmax)
+@in_float32
 def _log_softmax(x, dim, half_to_float=False):
     return _along(jax.nn.log_softmax, x.astype(np.float32) if half_to_float else x, dim)
 
 
 @rule(aten._softmax_backward_data)
+@in_float32
 def _softmax_backward_data(grad, out, dim, input_dtype):
     axis = dim % out.ndim if out.ndim else None  # 0-dim: the sum over its one element
     return out * (grad - jnp.sum(grad * out, axis=axis, keepdims=True))
 
 
 @rule(aten._log_softmax_backward_data)
+@in_float32
 def _log_softmax_backward_data(grad, out, dim, input_dtype):
     axis = dim % out.ndim if out.ndim else None
     return grad - jnp.exp(out) * jnp.sum(grad, axis=axis, keepdims=True)

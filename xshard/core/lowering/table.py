@@ -39,6 +39,31 @@ def astype(x, dtype):
     return x.astype(dtype)
 
 
+HALF_FLOATS = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
+
+
+def in_float32(fn):
+    """``fn`` computed in float32 when its floating-point arrays are all of one 16-bit dtype, each
+    result rounded back to it once: ATen's CPU kernels compute 16-bit floats so ("opmath"), where
+    XLA would round after every operation of a composite (sigmoid, GELU, softmax)."""
+    def lower(*args, **kwargs):
+        floats = {a.dtype for a in args
+                  if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)}
+        if len(floats) != 1 or next(iter(floats)) not in HALF_FLOATS:
+            return fn(*args, **kwargs)
+        half = floats.pop()
+        out = fn(*[a.astype(np.float32) if getattr(a, "dtype", None) == half else a
+                   for a in args], **kwargs)
+        if isinstance(out, (tuple, list)):
+            return type(out)(_round_back(o, half) for o in out)
+        return _round_back(out, half)
+    return lower
+
+
+def _round_back(x, half):
+    return x.astype(half) if getattr(x, "dtype", None) == np.float32 else x
+
+
 def has_rule(op) -> bool:
     return op in RULES
 
