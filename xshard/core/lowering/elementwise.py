@@ -8,7 +8,7 @@ import torch
 from xshard.core import runtime
 from xshard.core.lowering.promotion import (
     _BOOL, _COMPLEX, _FLOAT, _INT, _category, _compute, _float_like, promote, result_dtype)
-from xshard.core.lowering.table import astype, in_float32, np_dtype, rule
+from xshard.core.lowering.table import HALF_FLOATS, astype, in_float32, np_dtype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -377,7 +377,7 @@ def _additive(a, b, alpha):
         alpha = None
     elif alpha is not None:
         alpha = astype(jnp.asarray(alpha), b.dtype)
-    if a.dtype in (np.float16, jnp.bfloat16):
+    if a.dtype in HALF_FLOATS:
         dtype = a.dtype
         a, b = a.astype(np.float32), b.astype(np.float32)
         alpha = None if alpha is None else alpha.astype(np.float32)
@@ -495,7 +495,7 @@ def _in_opmath(*xs):
     Python numbers unrounded: ``x * 0.7`` multiplies by 0.7, not by bfloat16's 0.69921875, and a
     fused lerp or addcmul rounds once (rounding each step differs where terms cancel)."""
     dtype = result_dtype(*xs)
-    if dtype in (np.float16, jnp.bfloat16):
+    if dtype in HALF_FLOATS:
         return tuple(astype(jnp.asarray(x), np.float32) for x in xs), \
             lambda r: r.astype(dtype)
     return promote(*xs), _same

@@ -8,7 +8,7 @@ import torch
 from xshard.core import runtime
 from xshard.core.lowering.linalg import _mm_precision
 from xshard.core.lowering.shape import _lowest
-from xshard.core.lowering.table import astype, rule
+from xshard.core.lowering.table import HALF_FLOATS, astype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -69,7 +69,7 @@ def _bn_stats_shape(x):
 
 def _batch_norm_train(x, weight, bias, eps):
     axes = (0,) + tuple(range(2, x.ndim))
-    xf = x.astype(np.float32) if x.dtype in (np.float16, jnp.bfloat16) else x
+    xf = x.astype(np.float32) if x.dtype in HALF_FLOATS else x
     mean = jnp.mean(xf, axis=axes)
     var = jnp.var(xf, axis=axes)
     rstd = lax.rsqrt(var + eps)
@@ -149,7 +149,7 @@ def _bn_backward(grad, x, weight, running_mean, running_var, save_mean, save_rst
         mean, rstd = save_mean, save_rstd
     else:
         mean, rstd = running_mean, lax.rsqrt(running_var + eps)
-    gf = grad.astype(np.float32) if grad.dtype in (np.float16, jnp.bfloat16) else grad
+    gf = grad.astype(np.float32) if grad.dtype in HALF_FLOATS else grad
     xhat = (x - mean.reshape(shape)) * rstd.reshape(shape)
     w = weight.reshape(shape) if weight is not None else 1.0
     gw = jnp.sum(gf * xhat, axis=axes)
@@ -166,7 +166,7 @@ def _bn_backward(grad, x, weight, running_mean, running_var, save_mean, save_rst
 @rule(aten.native_layer_norm.default)
 def _layer_norm(x, normalized_shape, weight, bias, eps):
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    xf = x.astype(np.float32) if x.dtype in (np.float16, jnp.bfloat16) else x
+    xf = x.astype(np.float32) if x.dtype in HALF_FLOATS else x
     mean = jnp.mean(xf, axis=axes, keepdims=True)
     # One correction pass: the rounding of the sum is left in ``mean``, and a row of equal values
     # would normalise to noise (1e-4 after eps = 1e-5) where ATen gives exactly 0.

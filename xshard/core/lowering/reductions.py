@@ -217,9 +217,7 @@ def _scan(fn, x, dim):
     ATen accumulates them (a bfloat16 running sum rounds every partial sum: 1 in 64 off)."""
     if x.ndim == 0:
         return x
-    if x.dtype in (np.float16, jnp.bfloat16):
-        return fn(x.astype(np.float32), axis=dim % x.ndim).astype(x.dtype)
-    return fn(x, axis=dim % x.ndim)
+    return in_float32(fn)(x, axis=dim % x.ndim)
 
 
 def _cum_extreme(x, dim, better):
