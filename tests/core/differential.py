@@ -371,8 +371,8 @@ class _EagerRules(torch.utils._python_dispatch.TorchDispatchMode):
     """Watches every aten call of an eager run; raises InvalidProgram where eager's result is
     not defined (C++ leaves a float to int conversion of NaN, infinity or a value out of the
     target's range undefined: x86 gives INT64_MIN, or wraps -1.0 to 255 in uint8; XLA saturates),
-    hangs on float noise (a comparison, a rounding or a
-    logical op of a value within 1e-5 of its boundary but not on it: ``_ambiguous``), is a
+    hangs on float noise (a comparison, a rounding or a logical op of a value within 1e-5 of its
+    boundary but not on it: ``_ambiguous``), is a
     quirk of ATen's CPU kernels that no other backend shares (its exact GELU gives NaN at +-inf,
     var_mean's Welford mean over an infinity is NaN or inf depending on its position, its
     float32 ndtr below -3 is off by several percent), or hits a known xshard bug
