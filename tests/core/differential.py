@@ -314,12 +314,13 @@ def _near(x: torch.Tensor, boundary: torch.Tensor) -> bool:
 
 
 def _bits_unsettled(x: torch.Tensor) -> bool:
-    """Whether float tensor ``x`` holds a NaN or a value other than the generator's exact ones
-    (multiples of 1/4 below 2**20, infinities): values whose bits a float tolerance does not fix."""
+    """Whether float tensor ``x`` holds a NaN, a zero (0 * -0 summed is -0 in XLA's dot, +0 in
+    ATen's) or a value other than the generator's exact ones (multiples of 1/4 below 2**20,
+    infinities): values whose bits a float tolerance does not fix."""
     x = x.detach().double()
     finite = x[torch.isfinite(x)] * 4
     return bool(torch.isnan(x).any()) or bool((finite != finite.round()).any()) or bool(
-        (finite.abs() >= 2 ** 22).any())
+        (finite.abs() >= 2 ** 22).any()) or bool((x == 0).any())  # a computed zero's sign too
 
 
 def _ambiguous(name: str, args, kwargs) -> bool:

@@ -485,3 +485,11 @@ def test_bfloat16_composites_round_once_as_aten():
                            torch.nn.functional.softplus(v), torch.nn.functional.mish(v),
                            torch.nn.functional.hardswish(v), torch.softmax(v, 1),
                            torch.logaddexp(v, v.flip(0)), torch.exp(v)), x, rtol=0, atol=0)
+
+
+def test_addcmul_of_integers_truncates_value():
+    """value took part in type promotion: -3 + (-0.1875) * 9 rounded to -4 (eager truncates the
+    value to 0 for integer tensors: -3)."""
+    x = torch.tensor([[-3, 2], [5, 0]])
+    check_eager(lambda v: (torch.addcmul(v, v, v, value=-0.1875), torch.addcmul(v, v, v, value=2)),
+                x)

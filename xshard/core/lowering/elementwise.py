@@ -514,14 +514,15 @@ def _lerp(start, end, weight):
 
 @rule(aten.addcmul)
 def _addcmul(x, t1, t2, value=1):
-    (x, t1, t2, value), done = _in_opmath(x, t1, t2, value)
-    return done(x + value * t1 * t2)
+    # ``value`` takes no part in type promotion: in the computing dtype (an integer x truncates it)
+    (x, t1, t2), done = _in_opmath(x, t1, t2)
+    return done(x + astype(jnp.asarray(value), x.dtype) * t1 * t2)
 
 
 @rule(aten.addcdiv)
 def _addcdiv(x, t1, t2, value=1):
-    (x, t1, t2, value), done = _in_opmath(x, t1, t2, value)
-    return done(x + value * (t1 / t2))
+    (x, t1, t2), done = _in_opmath(x, t1, t2)
+    return done(x + astype(jnp.asarray(value), x.dtype) * (t1 / t2))
 
 
 @rule(aten.fill.Scalar, aten.fill.Tensor)
