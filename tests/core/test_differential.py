@@ -493,3 +493,11 @@ def test_addcmul_of_integers_truncates_value():
     x = torch.tensor([[-3, 2], [5, 0]])
     check_eager(lambda v: (torch.addcmul(v, v, v, value=-0.1875), torch.addcmul(v, v, v, value=2)),
                 x)
+
+
+def test_round_to_decimals_and_digamma_at_signed_zero_as_aten():
+    """round(bfloat16 2.546875, decimals=1) gave 2.59375 (x * 10 rounded to bfloat16 first; ATen
+    2.5); digamma(-0.0) gave -inf (ATen +inf)."""
+    x = torch.tensor([2.546875, 1.25, -0.35, 15.0, 25.0, 3.5], dtype=torch.bfloat16)
+    check_eager(lambda v: [torch.round(v, decimals=d) for d in (2, 1, 0, -1)], x, rtol=0, atol=0)
+    check_eager(lambda v: torch.digamma(v), torch.tensor([0.0, -0.0, 2.0]))

@@ -55,7 +55,9 @@ _UNARY_FLOAT = {
     # lgamma(1) = lgamma(2) = 0 exactly, as ATen (XLA's approximation: 4.8e-7 at 1)
     aten.lgamma: lambda x: jnp.where((x == 1) | (x == 2), jnp.zeros((), x.dtype),
                                      jax.scipy.special.gammaln(x)),
-    aten.digamma: lambda x: jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x)),
+    # at 0: -inf, +inf at -0.0 (ATen's copysign(inf, -x))
+    aten.digamma: lambda x: jnp.where(x == 0, jnp.copysign(jnp.inf, -x).astype(x.dtype),
+                                      jax.scipy.special.digamma(x)),
     aten.i0: jax.scipy.special.i0, aten.special_i0e: jax.scipy.special.i0e,
     aten.special_i1: jax.scipy.special.i1, aten.special_i1e: jax.scipy.special.i1e,
     aten.reciprocal: jnp.reciprocal, aten.deg2rad: jnp.deg2rad, aten.rad2deg: jnp.rad2deg,
@@ -98,9 +100,13 @@ def _round(x):
 
 
 @rule(aten.round.decimals)
+@in_float32  # a bfloat16 x * 10 rounded before the rounding: 2.546875 gave 2.59375, ATen 2.5
 def _round_decimals(x, decimals=0):
-    scale = 10.0 ** decimals
-    return jnp.round(x * scale) / scale
+    if decimals >= 0:  # as ATen: multiply by 10**d, or divide by 10**-d, never by 0.1
+        scale = 10.0 ** decimals
+        return jnp.round(x * scale) / scale
+    scale = 10.0 ** -decimals
+    return jnp.round(x / scale) * scale
 
 
 @rule(aten.frac)
