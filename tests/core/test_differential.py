@@ -501,3 +501,10 @@ def test_round_to_decimals_and_digamma_at_signed_zero_as_aten():
     x = torch.tensor([2.546875, 1.25, -0.35, 15.0, 25.0, 3.5], dtype=torch.bfloat16)
     check_eager(lambda v: [torch.round(v, decimals=d) for d in (2, 1, 0, -1)], x, rtol=0, atol=0)
     check_eager(lambda v: torch.digamma(v), torch.tensor([0.0, -0.0, 2.0]))
+
+
+def test_nextafter_steps_in_its_own_dtype():
+    """Computed in float32 and rounded back, a bfloat16 nextafter returned its input."""
+    x = torch.tensor([-1.0, -0.0, 1.0, 3.5], dtype=torch.bfloat16)
+    check_eager(lambda v: (torch.nextafter(v, torch.zeros_like(v)),
+                           torch.nextafter(v, torch.full_like(v, 9.0))), x, rtol=0, atol=0)

@@ -349,11 +349,11 @@ for _op, _fn in _BINARY.items():
     rule(_op)(_binary(_fn))
 
 for _op, _fn in {aten.atan2: jnp.arctan2, aten.hypot: jnp.hypot, aten.copysign: jnp.copysign,
-                 aten.nextafter: jnp.nextafter, aten.logaddexp: jnp.logaddexp,
-                 aten.logaddexp2: jnp.logaddexp2}.items():
+                 aten.logaddexp: jnp.logaddexp, aten.logaddexp2: jnp.logaddexp2}.items():
     rule(_op)(_binary(_fn, float_only=True))
-# ATen's xlogy rounds log(y) to a 16-bit x's dtype before the product: not in float32.
-for _op, _fn in {aten.xlogy: jax.scipy.special.xlogy,
+# Not in float32: nextafter steps in its own dtype's spacing, and ATen's xlogy rounds log(y) to a
+# 16-bit x's dtype before the product.
+for _op, _fn in {aten.nextafter: jnp.nextafter, aten.xlogy: jax.scipy.special.xlogy,
                  aten.special_xlog1py: jax.scipy.special.xlog1py}.items():
     rule(_op)(_binary(lambda a, b, _fn=_fn: _fn(_float_like(a), _float_like(b))))
 
