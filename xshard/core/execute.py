@@ -117,11 +117,18 @@ class PendingStep:
 
     def __init__(self):
         pending = pending_cells()
-        self.cells = [c for c in pending if not c.value.manual and c.error is None]
+        # Cells replacing device data first (see [Note: inputs in the order of the outputs that
+        # replace them] in xshard.core.graph); sorted stably, so in creation order otherwise.
+        self.cells = sorted((c for c in pending if not c.value.manual and c.error is None),
+                            key=_replaces_nothing)
         left_out = [c for c in pending if c.value.manual or c.error is not None]
         outputs, self.owners = result_nodes([(c.value, c.sharding) for c in self.cells])
-        self.graph = Graph(outputs)
+        self.graph = Graph(outputs, first=[c.source for c in self.cells if c.source is not None])
         self.donate = _donatable(self.graph, left_out)
+
+
+def _replaces_nothing(cell) -> bool:
+    return cell.source is None
 
 
 def result_nodes(values) -> tuple[list, list]:

@@ -288,6 +288,7 @@ class Recording:
         out = result_box.pop()
         slots = program.slots
         pairs = []  # (value node, annotation) per output
+        replaced = {}  # pair index -> the entry data node its storage held
         writes = []
         destination = {}  # id(storage) -> pair index
         accounted = set(wrapped)  # storages whose pending value is dealt with otherwise
@@ -310,6 +311,7 @@ class Recording:
                 continue  # untouched
             if id(storage) not in destination:
                 destination[id(storage)] = len(pairs)
+                replaced[len(pairs)] = w[1] if w is not None else None
                 pairs.append((value, api.annotation(obj)))
                 writes.append(Write(i, len(pairs) - 1, value.shape, value.dtype,
                                     api.annotation(obj)))
@@ -347,7 +349,6 @@ class Recording:
                 f"are state of a module or optimizer xshard.compile did not find, pass that with "
                 f"state=.", stacklevel=user_stacklevel())
 
-        outputs, owners = execute.result_nodes(pairs)
         sources = {}  # id(entry node) -> slot index
         arg_storages = set()
         for i, obj in enumerate(entry):
@@ -360,13 +361,25 @@ class Recording:
                     arg_storages.add(id(storage))
         # The entry data of the state the step overwrites is consumed (donated), unless some other
         # live storage holds the same array.
-        consumed = {id(wrapped[k][1]) for k in destination
-                    if k in wrapped and k not in arg_storages}
         held = _held_elsewhere(wrapped)
+        consumed = {id(wrapped[k][1]) for k in destination
+                    if k in wrapped and k not in arg_storages
+                    and id(wrapped[k][1].payload) not in held}
+        # The outputs replacing consumed state first, and those inputs in the same order (see
+        # [Note: inputs in the order of the outputs that replace them] in xshard.core.graph).
+        lead = [p for p in range(len(pairs)) if id(replaced.get(p)) in consumed]
+        if lead:
+            taken = set(lead)
+            order = lead + [p for p in range(len(pairs)) if p not in taken]
+            new = {old: p for p, old in enumerate(order)}
+            pairs = [pairs[p] for p in order]
+            for w in writes:
+                w.position = new[w.position]
+            returns = [(k, new[a], b) if k == "new" else (k, a, b) for k, a, b in returns]
+        outputs, owners = execute.result_nodes(pairs)
         trace.end_recording()  # the recording is one TraceTime sample, as a lazy step's
-        graph = Graph(outputs)
-        donate = tuple(k for k, n in enumerate(graph.inputs)
-                       if id(n) in consumed and id(n.payload) not in held)
+        graph = Graph(outputs, first=[replaced[p] for p in lead])
+        donate = tuple(k for k, n in enumerate(graph.inputs) if id(n) in consumed)
         with trace.naming(name):  # jit(xshard_<step function>_<n>), see xshard.core.trace
             exe = api.executable(graph, donate)
         program.executable, program.compiled = exe, exe.compiled
