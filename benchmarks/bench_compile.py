@@ -16,6 +16,10 @@ Layouts (8 devices):
 - ``fsdp``: xshard wraps the model in ``xshard.fsdp.FSDP`` (one unit per block); JAX shards every
   parameter and optimizer moment over an ``fsdp`` axis on its largest dimension, splits the batch
   over it and pins the activations to the batch sharding (JAX's FSDP idiom; see bench_step.py);
+- ``fsdp-free``: the same without FSDP's optimization barriers (``optimization_barrier_in_forward``
+  and ``..._in_backward`` False): XLA schedules the gathers freely, as it does for the JAX program,
+  at the cost of gathered parameters alive at once (see [Note: FSDP without barriers] in
+  xshard/fsdp/fully_shard.py);
 - ``2d``: a (data 4, model 2) mesh: the batch split over ``data``; each block's ``qkv`` and
   ``mlp.fc`` split by rows and its ``attn.proj`` and ``mlp.proj`` by columns over ``model``
   (Megatron-style); xshard annotates them with ``mark_sharding``, JAX places them so; the
@@ -29,7 +33,7 @@ and the CPU time of this thread in it; for xshard it is split into the executabl
 dispatch, the same work as JAX's own call) and xshard's own Python around it.
 
 Usage:
-    python benchmarks/bench_compile.py                       # both GPTs, FSDP and 2-D
+    python benchmarks/bench_compile.py                       # both GPTs, every layout
     python benchmarks/bench_compile.py --model small --mode 2d --steps 10
 """
 
@@ -50,12 +54,15 @@ SIZES = {
 }
 
 
+LAYOUTS = ("fsdp", "fsdp-free", "2d")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", choices=(*SIZES, "all"), default="all",
                    help="all: small and 21m")
-    p.add_argument("--mode", choices=("fsdp", "2d", "all"), default="all")
+    p.add_argument("--mode", choices=(*LAYOUTS, "all"), default="all")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round and side")
     p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per side")
     p.add_argument("--warmup", type=int, default=3,
@@ -149,9 +156,11 @@ class XShardRunner:
         self.initial = jm.params_from_torch(model)
         self.params = sum(p.numel() for p in model.parameters())
         dev = xshard.device()
-        if mode == "fsdp":
+        if mode.startswith("fsdp"):
+            fenced = mode == "fsdp"
             model = FSDP(model, auto_wrap_policy=functools.partial(
-                transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+                transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+                optimization_barrier_in_forward=fenced, optimization_barrier_in_backward=fenced)
             mesh, data_spec = model.mesh, ("fsdp", None)
         else:
             mesh = Mesh(range(8), (4, 2), ("data", "model"))
@@ -230,7 +239,7 @@ class XShardRunner:
 class JaxRunner:
     def __init__(self, cfg, batches, initial: dict, mode: str, args):
         devices = xshard.runtime.devices()[:8]
-        if mode == "fsdp":
+        if mode.startswith("fsdp"):
             mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
             spec_of = lambda name, a: fsdp_spec(a.shape)  # noqa: E731
             batch = jax.sharding.NamedSharding(mesh, P("fsdp", None))
@@ -372,7 +381,7 @@ def print_results(results, args):
 
 def main(args):
     sizes = ["small", "21m"] if args.model == "all" else [args.model]
-    modes = ["fsdp", "2d"] if args.mode == "all" else [args.mode]
+    modes = list(LAYOUTS) if args.mode == "all" else [args.mode]
     results = [run_case(size, mode, args) for size in sizes for mode in modes]
     print_results(results, args)
     return results

@@ -262,6 +262,9 @@ def test_xla_fsdp_is_xshard_fsdp_over_every_device():
     torch.testing.assert_close(dev(x.to(DEV)).cpu(), cpu(x), rtol=1e-5, atol=1e-5)
     half = xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(8, 4), compute_dtype=torch.bfloat16)
     assert half(x.to(DEV)).dtype == torch.bfloat16 and half.weight.dtype == torch.float32
+    free = xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(8, 4),
+                                             optimization_barrier_in_forward=False)
+    assert free._fsdp_fenced == {"forward": False, "backward": True}  # torch_xla's option, here
     with pytest.raises(TypeError, match="unknown option 'colour'"):
         xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(2, 2), colour=1)
     with pytest.raises(NotImplementedError, match="auto_wrapper_callable.*checkpoint_module"):

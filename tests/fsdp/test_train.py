@@ -1,12 +1,12 @@
 """FSDP training equals the unwrapped model on eager CPU; shardings of params, grads, optimizer state."""
 
-import copy
 
 import pytest
 import torch
 
 import xshard
 import xshard.spmd as xs
+from xshard.core import compiler, execute, ir
 from xshard.fsdp import FSDP, MixedPrecision
 
 from tests.fsdp.fsdp_testing import (POLICIES, SMALL, batches, fsdp_copy, gpt, mesh, train_cpu,
@@ -115,3 +115,54 @@ def test_hybrid_extra_data_axis_matches_cpu():
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_without_optimization_barriers_matches_cpu_and_has_no_barrier():
+    # [Note: FSDP without barriers]: XLA schedules the gathers freely; the numbers are the same.
+    reference = gpt(cfg=SMALL)
+    model = fsdp_copy(reference, auto_wrap_policy=POLICIES["transformer"],
+                      optimization_barrier_in_forward=False,
+                      optimization_barrier_in_backward=False)
+    data = batches(3, seed=7)
+    cpu_losses = train_cpu(reference, data)
+    dev = xshard.device()
+    x, y = data[0]
+    model(x.to(dev), y.to(dev)).backward()
+    graph = execute.pending_step().graph
+    assert not [n for n in graph.order if n.op in ir.BARRIERS]
+    assert compiler.compiler_options(graph) == {}
+    model.zero_grad(set_to_none=True)
+    xshard.sync()
+    losses, _, _ = train_device(model, data)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-4,
+                               atol=1e-5)
+    full = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_each_barrier_option_alone(phase):
+    reference = gpt(cfg=SMALL)
+    model = fsdp_copy(reference, auto_wrap_policy=POLICIES["transformer"],
+                      **{f"optimization_barrier_in_{phase}": False})
+    dev = xshard.device()
+    x, y = batches(1, seed=7)[0]
+    loss = model(x.to(dev), y.to(dev))
+    forward_barriers = [n for n in execute.pending_step().graph.order if n.op in ir.BARRIERS]
+    loss.backward()
+    all_barriers = [n for n in execute.pending_step().graph.order if n.op in ir.BARRIERS]
+    # Forward barriers fence each unit's gathers in forward, backward ones in backward.
+    if phase == "forward":
+        assert not forward_barriers and all_barriers
+    else:
+        assert forward_barriers and len(all_barriers) == len(forward_barriers)
+    torch.testing.assert_close(loss.item(), reference(x, y).item(), rtol=1e-5, atol=1e-6)
+    xshard.sync()
+
+
+def test_optimization_barrier_option_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"optimization_barrier_in_backward must be True or False, "
+                                        r"got 'no'"):
+        FSDP(gpt(cfg=SMALL), optimization_barrier_in_backward="no")

@@ -6,8 +6,9 @@ numbers (the gradient of the global batch, averaged), so a script that wraps its
 program: plain, ``nprocs=1``, or after ``xr.use_spmd()``. Under ``xmp.spawn`` replicas, where
 each process is a world of one device, it raises and says so.
 
-Options that only tune torch_xla's implementation (flattening, barriers, bucket sizes, layout
-pinning) are accepted and have no effect; options with no counterpart raise.
+Options that only tune torch_xla's implementation (flattening, bucket sizes, layout pinning) are
+accepted and have no effect; the optimization-barrier options are xshard's FSDP's own; options with
+no counterpart raise.
 
 Example:
     >>> from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
@@ -27,8 +28,8 @@ from xshard.compat.fsdp.wrap import (always_wrap_policy, lambda_auto_wrap_policy
 
 # torch_xla options that tune its own implementation: no effect on the numbers, none here.
 _IGNORED = {
-    "flatten_parameters", "execute_sharding_on_init", "optimization_barrier_in_forward",
-    "optimization_barrier_in_backward", "disable_reshard_on_root", "pin_layout_in_collective_ops",
+    "flatten_parameters", "execute_sharding_on_init", "disable_reshard_on_root",
+    "pin_layout_in_collective_ops",
     "reduce_scatter_bucket_size_mb", "coalesce_all_gather_ops", "_shard_size_multiple",
     "_use_xla_patched_linear", "sync_on_finalization", "mark_step_on_finalization",
 }
@@ -53,7 +54,8 @@ class XlaFullyShardedDataParallel(metaclass=_FSDPType):
 
     Args:
         module: the model.
-        reshard_after_forward, shard_param_on_dim_0, auto_wrap_policy: as in torch_xla.
+        reshard_after_forward, shard_param_on_dim_0, auto_wrap_policy,
+        optimization_barrier_in_forward, optimization_barrier_in_backward: as in torch_xla.
         compute_dtype: dtype of the computation (default float32; e.g. torch.bfloat16).
         buffer_dtype: dtype of the buffers (default ``compute_dtype``).
         fp32_reduce_scatter: reduce gradients in float32 when ``compute_dtype`` is lower.
@@ -65,7 +67,9 @@ class XlaFullyShardedDataParallel(metaclass=_FSDPType):
 
     def __new__(cls, module, *, reshard_after_forward: bool = True,
                 shard_param_on_dim_0: bool = False, auto_wrap_policy=None, compute_dtype=None,
-                buffer_dtype=None, fp32_reduce_scatter: bool = False, **options):
+                buffer_dtype=None, fp32_reduce_scatter: bool = False,
+                optimization_barrier_in_forward: bool = True,
+                optimization_barrier_in_backward: bool = True, **options):
         for name, value in options.items():
             if name in _REFUSED:
                 if value is not None:
@@ -95,7 +99,9 @@ class XlaFullyShardedDataParallel(metaclass=_FSDPType):
             mixed = MixedPrecision(buffer_dtype=buffer_dtype)
         return FSDP(module, auto_wrap_policy=auto_wrap_policy,
                     reshard_after_forward=reshard_after_forward,
-                    shard_param_on_dim_0=shard_param_on_dim_0, mixed_precision=mixed)
+                    shard_param_on_dim_0=shard_param_on_dim_0, mixed_precision=mixed,
+                    optimization_barrier_in_forward=optimization_barrier_in_forward,
+                    optimization_barrier_in_backward=optimization_barrier_in_backward)
 
 
 def consolidate_sharded_state_dicts(*args, **kwargs):
