@@ -1,6 +1,5 @@
 """FSDP training equals the unwrapped model on eager CPU; shardings of params, grads, optimizer state."""
 
-
 import pytest
 import torch
 
