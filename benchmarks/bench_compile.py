@@ -236,7 +236,7 @@ class XShardRunner:
 # -- JAX ------------------------------------------------------------------------------------------
 
 
-class JaxRunner:
+class JaxRunner(jm.TrainLoop):
     def __init__(self, cfg, batches, initial: dict, mode: str, args):
         devices = xshard.runtime.devices()[:8]
         if mode.startswith("fsdp"):
@@ -251,42 +251,30 @@ class JaxRunner:
             activation = None
         shardings = {k: jax.sharding.NamedSharding(mesh, P(*spec_of(k, a)))
                      for k, a in initial.items()}
-        self.params = {k: jax.device_put(np.asarray(a), shardings[k]) for k, a in initial.items()}
-        self.state = {m: {k: jax.device_put(np.zeros(a.shape, np.float32), shardings[k])
-                          for k, a in initial.items()} for m in ("exp_avg", "exp_avg_sq")}
-        self.batches = [(jax.device_put(x.numpy(), batch), jax.device_put(y.numpy(), batch))
-                        for x, y in batches]
-        loss = jm.gpt_loss_fn(cfg, activation_sharding=activation)
-        self.opt = jm.AdamW(lr=args.lr)
-        self.fn = jm.make_train_step(loss, self.opt, (batch, batch))
-        self.next = 0
+        params = {k: jax.device_put(np.asarray(a), shardings[k]) for k, a in initial.items()}
+        state = {m: {k: jax.device_put(np.zeros(a.shape, np.float32), shardings[k])
+                     for k, a in initial.items()} for m in ("exp_avg", "exp_avg_sq")}
+        placed = [(jax.device_put(x.numpy(), batch), jax.device_put(y.numpy(), batch))
+                  for x, y in batches]
+        super().__init__(params, state, placed, jm.gpt_loss_fn(cfg, activation_sharding=activation),
+                         jm.AdamW(lr=args.lr), (batch, batch))
         self.timing = Timing()
-        self._loss_arrays = []
-
-    def step(self):
-        x, y = self.batches[self.next]
-        self.next += 1
-        self.params, self.state, loss = self.fn(self.params, self.state, x, y, self.next)
-        self._loss_arrays.append(loss)
 
     def warmup(self, n):
         for _ in range(n):
             self.step()
-        jax.block_until_ready((self.params, self.state))
+        self.block()
 
     def timed(self, n):
         clock = _Clock(self.step)
         start, proc = time.perf_counter(), time.process_time()
         for _ in range(n):
             clock()
-        jax.block_until_ready((self.params, self.state, self._loss_arrays[-1]))
+        self.block()
         self.timing.step_ms.append((time.perf_counter() - start) / n * 1e3)
         self.timing.proc_ms.append((time.process_time() - proc) / n * 1e3)
         self.timing.host_ms.append(clock.wall / n * 1e3)
         self.timing.cpu_ms.append(clock.cpu / n * 1e3)
-
-    def losses(self):
-        return [float(a) for a in self._loss_arrays]
 
 
 # -- main -----------------------------------------------------------------------------------------

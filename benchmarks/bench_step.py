@@ -298,33 +298,24 @@ class XShardRunner:
         return [float(t.item()) for t in self._loss_tensors]
 
 
-class JaxRunner:
+class JaxRunner(jm.TrainLoop):
     def __init__(self, case: Case, initial: dict, args, constrain_activations=False):
         param_sharding, batch_sharding = jax_shardings(args)
         # A copy: the step donates its inputs, and xshard's runner keeps ``initial`` for reference.
-        self.params = jax.tree.map(lambda a: placed(np.asarray(a), param_sharding), initial)
-        self.state = jax.tree.map(lambda a: placed(np.zeros(a.shape, np.float32), param_sharding),
-                                  jm.adamw_init(self.params))
-        self.batches = [(jax.device_put(x.numpy(), batch_sharding),
-                         jax.device_put(y.numpy(), batch_sharding)) for x, y in case.batches]
+        params = jax.tree.map(lambda a: placed(np.asarray(a), param_sharding), initial)
+        state = jax.tree.map(lambda a: placed(np.zeros(a.shape, np.float32), param_sharding),
+                             jm.adamw_init(params))
+        batches = [(jax.device_put(x.numpy(), batch_sharding),
+                    jax.device_put(y.numpy(), batch_sharding)) for x, y in case.batches]
         shard = (batch_sharding, batch_sharding) if args.shard_batch or args.fsdp else None
         loss = case.jax_loss(activation_sharding=batch_sharding if constrain_activations else None)
-        self.opt = jm.AdamW(lr=args.lr)
-        self.fn = jm.make_train_step(loss, self.opt, shard)
-        self.next = 0
+        super().__init__(params, state, batches, loss, jm.AdamW(lr=args.lr), shard)
         self.timing = Timing()
-        self._loss_arrays = []
-
-    def step(self):
-        x, y = self.batches[self.next]
-        self.next += 1
-        self.params, self.state, loss = self.fn(self.params, self.state, x, y, self.next)
-        self._loss_arrays.append(loss)
 
     def warmup(self, n):
         for _ in range(n):
             self.step()
-        jax.block_until_ready((self.params, self.state))
+        self.block()
         x, y = self.batches[0]  # the executable the steps ran (JAX caches it)
         compiled = self.fn.jitted.lower(self.params, self.state, x, y,
                                         *jm.host_scalars(self.opt, 1)).compile()
@@ -335,12 +326,9 @@ class JaxRunner:
         start = time.perf_counter()
         for _ in range(n):
             self.step()
-        jax.block_until_ready((self.params, self.state, self._loss_arrays[-1]))
+        self.block()
         self.timing.step_ms.append((time.perf_counter() - start) / n * 1e3)
         self.timing.cpu_ms.append((time.process_time() - cpu_start) / n * 1e3)
-
-    def losses(self):
-        return [float(a) for a in self._loss_arrays]
 
 
 # -- main ------------------------------------------------------------------------------------------

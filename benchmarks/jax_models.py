@@ -129,6 +129,31 @@ def make_train_step(loss_fn, opt: AdamW = AdamW(), batch_shardings=None):
     return step_fn
 
 
+class TrainLoop:
+    """``make_train_step`` over placed parameters, optimizer state and batches: ``step()`` runs the
+    next batch; the benchmarks time it (``bench_step.py``, ``bench_compile.py``)."""
+
+    def __init__(self, params: dict, state: dict, batches: list, loss_fn, opt: AdamW,
+                 batch_shardings=None):
+        self.params, self.state, self.batches, self.opt = params, state, batches, opt
+        self.fn = make_train_step(loss_fn, opt, batch_shardings)
+        self.next = 0
+        self._loss_arrays = []
+
+    def step(self):
+        x, y = self.batches[self.next]
+        self.next += 1
+        self.params, self.state, loss = self.fn(self.params, self.state, x, y, self.next)
+        self._loss_arrays.append(loss)
+
+    def block(self):
+        """Waits for every step dispatched so far."""
+        jax.block_until_ready((self.params, self.state, self._loss_arrays[-1:]))
+
+    def losses(self):
+        return [float(a) for a in self._loss_arrays]
+
+
 # -- layers ----------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import xshard
 import xshard.spmd as xs
-from compile_testing import DEV, MLP, make_batches
+from compile_testing import DEV, MLP, compiled_step, make_batches
 from xshard.mesh import Mesh
 
 
@@ -41,17 +41,10 @@ def test_dropout_in_a_training_step_matches_the_lazy_path():
         torch.manual_seed(0)
         model = GPT(cfg).to(DEV)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def train_step(x, y):
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        step = xshard.compile(train_step) if compiled else train_step
+        step = compiled_step(model, opt)
+        run_step = step if compiled else step.fn  # .fn: the same function, run lazily
         torch.manual_seed(1)
-        run = [float(step(x.to(DEV), y.to(DEV)).item()) for x, y in data]
+        run = [float(run_step(x.to(DEV), y.to(DEV)).item()) for x, y in data]
         losses.append(run)
     assert losses[0] == losses[1]
     assert step.traces == 1
@@ -211,16 +204,9 @@ def test_checkpointed_fsdp_units_with_dropout():
             transformer_auto_wrap_policy, transformer_layer_cls={Block}))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         make_capturable([opt])  # the same optimizer arithmetic on both sides
-
-        def train_step(x, y):
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        step = xshard.compile(train_step) if compiled else train_step
+        step = compiled_step(model, opt)
+        run_step = step if compiled else step.fn
         torch.manual_seed(1)
-        losses.append([float(step(x.to(DEV), y.to(DEV)).item()) for x, y in data])
+        losses.append([float(run_step(x.to(DEV), y.to(DEV)).item()) for x, y in data])
     assert losses[0] == losses[1]
     assert step.traces == 2
