@@ -331,6 +331,21 @@ def test_scalar_and_zero_dim_promotion():
     assert_same(dh + True, h + True)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.bool])
+def test_integers_computed_in_float_convert_each_operand_from_its_own_dtype(dtype):
+    # True division, atan2, copysign, xlogy: ATen converts each operand to float directly; the
+    # number -1 must not pass through the promoted integer dtype (uint8: 255) first.
+    x = torch.tensor([1, 0, 1], dtype=dtype)
+    dx = x.to(DEV)
+    minus_one = torch.tensor(-1)
+    for op in (lambda a: a / -1, lambda a: torch.div(a, 300), lambda a: -1 / a,
+               lambda a: torch.true_divide(a, -2), lambda a: a / minus_one.to(a.device),
+               lambda a: torch.atan2(a, minus_one.to(a.device)), lambda a: torch.copysign(a, -1),
+               lambda a: torch.xlogy(a, -1), lambda a: torch.xlogy(-1, a),
+               lambda a: torch.special.xlog1py(a, -2)):
+        assert_same(op(dx), op(x))
+
+
 def test_broadcasting_matches_eager():
     a, b, c = torch.randn(4, 1, 3), torch.randn(5, 1), torch.randn(3)
     assert_same(a.to(DEV) + b.to(DEV), a + b)

@@ -7,7 +7,8 @@ import torch
 
 from xshard.core import runtime
 from xshard.core.lowering.promotion import (
-    _BOOL, _COMPLEX, _FLOAT, _INT, _category, _compute, _float_like, promote, result_dtype)
+    _BOOL, _COMPLEX, _FLOAT, _INT, _category, _compute, _float_like, promote, promote_float,
+    result_dtype)
 from xshard.core.lowering.table import HALF_FLOATS, astype, in_float32, np_dtype, rule
 
 jax = runtime.jax_module()
@@ -247,8 +248,7 @@ def _igammac(a, x):
 def _incomplete_gamma(a, x, fn, lower: bool):
     """ATen's regularised incomplete gamma: its special cases first, in its order (NaN where a or
     x is negative; a = 0; x = 0, even for a NaN a; a = inf; x = inf), then jax's ``fn``."""
-    a, x = promote(a, x)
-    a, x = _float_like(a), _float_like(x)
+    a, x = promote_float(a, x)
     full, empty = (1.0, 0.0) if lower else (0.0, 1.0)
     out = fn(a, x)
     out = jnp.where(jnp.isinf(x), full, out)
@@ -321,15 +321,15 @@ def _nan_to_num(x, nan=None, posinf=None, neginf=None):
     return jnp.nan_to_num(x, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
 
 
-def _binary(fn, float_only=False):
-    if float_only:  # composites (hypot, logaddexp, xlogy): in float32 for 16-bit floats
+def _binary(fn, float_only=False, half_in_float32=True):
+    """``fn`` over promoted operands; ``float_only``: integers computed in float (see
+    ``promote_float``), 16-bit floats in float32 unless ``half_in_float32`` is False."""
+    if float_only and half_in_float32:  # composites (hypot, logaddexp): rounded once
         fn = in_float32(fn)
+    convert = promote_float if float_only else promote
 
     def lower(a, b, *rest, **kwargs):
-        a, b = promote(a, b)
-        if float_only:
-            a, b = _float_like(a), _float_like(b)
-        return fn(a, b)
+        return fn(*convert(a, b))
     return lower
 
 
@@ -355,7 +355,7 @@ for _op, _fn in {aten.atan2: jnp.arctan2, aten.hypot: jnp.hypot, aten.copysign: 
 # 16-bit x's dtype before the product.
 for _op, _fn in {aten.nextafter: jnp.nextafter, aten.xlogy: jax.scipy.special.xlogy,
                  aten.special_xlog1py: jax.scipy.special.xlog1py}.items():
-    rule(_op)(_binary(lambda a, b, _fn=_fn: _fn(_float_like(a), _float_like(b))))
+    rule(_op)(_binary(_fn, float_only=True, half_in_float32=False))
 
 
 @rule(aten.add)
@@ -405,8 +405,11 @@ def _rsub(a, b, alpha=1):
 @rule(aten.div)
 def _div(a, b, rounding_mode=None):
     if rounding_mode is None:
+        if _category(result_dtype(a, b)) in (_BOOL, _INT):
+            a, b = promote_float(a, b)
+            return a / b
         (a, b), done = _in_opmath(a, b)
-        return done(_float_like(a) / _float_like(b))
+        return done(a / b)
     a, b = promote(a, b)
     if rounding_mode == "trunc":
         if _category(a.dtype) == _INT:

@@ -59,6 +59,16 @@ def promote(*xs):
     return tuple(None if x is None else astype(jnp.asarray(x), dtype) for x in xs)
 
 
+def promote_float(*xs):
+    """``promote`` for ops that compute integers in float (true division, atan2, xlogy): each
+    operand converted from its own dtype, as ATen does (``uint8 / -1`` divides by -1.0; converting
+    -1 to the promoted uint8 first would divide by 255). Default float dtype: float32."""
+    dtype = result_dtype(*xs)
+    if _category(dtype) in (_BOOL, _INT):
+        dtype = np.dtype(np.float32)
+    return tuple(None if x is None else astype(jnp.asarray(x), dtype) for x in xs)
+
+
 def _compute(x, dtype):
     return jnp.asarray(x, dtype=dtype)
 
