@@ -385,6 +385,17 @@ def test_pow_of_bools_keeps_bool():
     check_eager(lambda x: torch.pow(x, False), torch.tensor([False, True]))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_integer_pow_wraps_as_eager(dtype):
+    """jnp.power squares over the exponent's 6 lowest bits: 5 ** 300 in int16 gave 4561 (eager,
+    wrapping over every bit: 19921)."""
+    base = torch.tensor([5, 3, -7, 2, 0, 1], dtype=dtype) if dtype != torch.uint8 else \
+        torch.tensor([5, 3, 7, 2, 0, 1], dtype=dtype)
+    exponent = torch.tensor([100, 64, 65, 127, 70, 99], dtype=dtype)
+    check_eager(torch.pow, base, exponent, rtol=0, atol=0)
+    check_eager(lambda b: torch.pow(b, 100), base, rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:xshard has no lowering")
 @pytest.mark.parametrize("align_corners", [True, False])
 def test_bilinear_resize_of_uint8_rounds_as_eager(align_corners):

@@ -462,9 +462,15 @@ def _pow(a, b):
 
 
 def _int_pow(a, b):
-    """Integer powers: a negative exponent gives 0 unless the base is 1 or -1 (as in ATen)."""
+    """Integer powers: a negative exponent gives 0 unless the base is 1 or -1 (as in ATen); an
+    overflowing one wraps as ATen's does, by squaring over every bit of the exponent (jnp.power
+    looks at its 6 lowest bits: 5 ** 300 in int16 gave 4561, ATen 19921)."""
     a, b = jnp.broadcast_arrays(a, b)
-    positive = jnp.power(a, jnp.maximum(b, 0))
+    exponent, base = jnp.maximum(b, 0), a
+    positive = jnp.ones_like(a)
+    for _ in range(jnp.iinfo(a.dtype).bits):
+        positive = jnp.where((exponent & 1) == 1, positive * base, positive)
+        base, exponent = base * base, exponent >> 1
     one = jnp.ones((), a.dtype)
     negative = jnp.where(a == 1, one, jnp.where(a == -1, jnp.where(b % 2 == 0, one, -one),
                                                  jnp.zeros((), a.dtype)))
