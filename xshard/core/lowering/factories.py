@@ -63,8 +63,16 @@ def _arange(start, end, step=1, dtype=None, **kwargs):
     if _category(dtype) < _FLOAT:  # ATen converts the bounds and step to integers first
         start, end, step = int(start), int(end), int(step)
     n = int(math.ceil((end - start) / step))
-    return (start + jnp.arange(max(n, 0), dtype=np.float64 if _category(dtype) >= _FLOAT
-                               else np.int64) * step).astype(dtype)
+    return _plus(start, jnp.arange(max(n, 0), dtype=np.float64 if _category(dtype) >= _FLOAT
+                                   else np.int64) * step).astype(dtype)
+
+
+def _plus(start, x):
+    """``start + x`` for a Python number ``start``, as ATen computes it: XLA rewrites ``0.0 + x``
+    to ``x``, which kept a -0.0 of ``x`` (``arange(0.0, -1.0, -0.25)[0]`` was -0.0; ATen: 0.0)."""
+    if isinstance(start, float) and start == 0 and math.copysign(1.0, start) > 0:
+        return jnp.where(x == 0, jnp.zeros((), x.dtype), x)
+    return start + x
 
 
 @rule(aten.tril_indices.default)
@@ -99,7 +107,7 @@ def _linspace(start, end, steps, dtype=None, **kwargs):
     step = (end - start) / (steps - 1)
     idx = jnp.arange(steps, dtype=np.float64)
     half = steps // 2
-    out = jnp.where(idx < half, start + step * idx, end - step * (steps - 1 - idx))
+    out = jnp.where(idx < half, _plus(start, step * idx), end - step * (steps - 1 - idx))
     if _category(dtype) == _INT:
         out = jnp.trunc(out)
     return out.astype(dtype)

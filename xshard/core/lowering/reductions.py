@@ -7,7 +7,7 @@ import torch
 
 from xshard.core import runtime
 from xshard.core.lowering.promotion import _BOOL, _FLOAT, _INT, _category, _float_like, promote
-from xshard.core.lowering.table import in_float32, np_dtype, rule
+from xshard.core.lowering.table import HALF_FLOATS, in_float32, np_dtype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -123,7 +123,11 @@ def _variance(x, axis, correction, keepdim, root=False):
     all 0), where jnp.var gives NaN; no elements give NaN.
 
     The deviations are scaled by their largest magnitude before squaring, so the standard deviation
-    of values beyond 1e19 does not overflow float32 (ATen accumulates in double on CPU)."""
+    of values beyond 1e19 does not overflow float32 (ATen accumulates in double on CPU). 16-bit
+    floats are computed in float32 and rounded once, as ATen does (bfloat16 var of [-1.765625,
+    -8.0625] gave 19.75, ATen 19.875)."""
+    if x.dtype in HALF_FLOATS:
+        return _variance(x.astype(np.float32), axis, correction, keepdim, root).astype(x.dtype)
     n = x.size if axis is None else int(np.prod([x.shape[a] for a in axis]))
     deviations = jnp.abs(x - jnp.mean(x, axis=axis, keepdims=True))
     if n == 0:
