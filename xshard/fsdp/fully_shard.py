@@ -673,7 +673,8 @@ def _data_annotation(root: FSDP, t: torch.Tensor):
 # 8 virtual CPU devices, compiled): 1.06-1.13x a JAX program's step time with the barriers,
 # 1.01-1.06x without. The price is memory: every unit's gathered parameters may be alive at once,
 # and without the backward barrier XLA may reuse the forward's gathered values instead of
-# gathering again (``reshard_after_forward`` then saves nothing).
+# gathering again (``reshard_after_forward`` then saves nothing). Temporaries per device of the
+# whole step: 5.3 -> 7.9 MiB for that GPT, 170 -> 240 MiB for a 21 M one (4 blocks, d 512).
 
 
 # [Note: FSDP gathers ordered by data]
