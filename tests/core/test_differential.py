@@ -408,6 +408,18 @@ def test_variance_of_16_bit_floats_rounds_once(dtype):
         check_eager(fn, x, rtol=rtol, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_pow_of_a_half_is_sqrt_as_eager(dtype):
+    """ATen's CPU kernel computes x ** 0.5 as sqrt(x) and x ** -0.5 as rsqrt(x), except for float16:
+    (-inf) ** 0.5 is NaN there, where pow gives inf (found by the differential test, seed 78)."""
+    x = torch.tensor([float("-inf"), -0.0, 0.0, -1.0, 4.0, float("inf"), float("nan")],
+                     dtype=dtype)
+    for exponent in (0.5, -0.5):
+        got, want = torch.pow(x.to(xshard.device()), exponent).cpu(), torch.pow(x, exponent)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (exponent, got, want)
+        assert torch.equal(1 / got[~torch.isnan(got)], 1 / want[~torch.isnan(want)])
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
 def test_integer_pow_wraps_as_eager(dtype):
     """jnp.power squares over the exponent's 6 lowest bits: 5 ** 300 in int16 gave 4561 (eager,
