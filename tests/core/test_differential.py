@@ -420,6 +420,13 @@ def test_pow_of_a_half_is_sqrt_as_eager(dtype):
         assert torch.equal(1 / got[~torch.isnan(got)], 1 / want[~torch.isnan(want)])
 
 
+def test_pow_by_infinite_or_nan_numbers():
+    """``x ** inf`` failed in lowering (the check for a small integer exponent took int(inf))."""
+    x = torch.tensor([0.5, 1.0, 2.0, -1.0, -3.0, 0.0])
+    for exponent in (math.inf, -math.inf, math.nan):
+        check_eager(lambda t: torch.pow(t, exponent), x)
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
 def test_integer_pow_wraps_as_eager(dtype):
     """jnp.power squares over the exponent's 6 lowest bits: 5 ** 300 in int16 gave 4561 (eager,

@@ -453,9 +453,9 @@ def _fmod(a, b):
 @rule(aten.pow)
 def _pow(a, b):
     if isinstance(b, (int, float)) and not isinstance(b, bool) and hasattr(a, "dtype"):
-        if float(b) == int(b) and abs(b) <= 4 and (b >= 0 or _category(a.dtype) >= _FLOAT):
-            return lax.integer_pow(_compute(a, result_dtype(a, b)), int(b))
         dtype = result_dtype(a, b)
+        if float(b).is_integer() and abs(b) <= 4 and (b >= 0 or _category(a.dtype) >= _FLOAT):
+            return lax.integer_pow(_compute(a, dtype), int(b))
         if b in (0.5, -0.5) and dtype != np.float16:
             # ATen's CPU kernel takes sqrt and rsqrt here (not for float16): NaN at -inf where
             # pow gives inf and 0, and -0.0 kept.
