@@ -344,3 +344,27 @@ def test_cpu_index_tensors_index_and_assign_into_device_tensors():
                 t.index_put_((torch.tensor([1, 1, 3]),), torch.ones(4).to(t.device),
                              accumulate=True)
         assert_same(y, x)
+
+
+def test_data_assignment_takes_the_other_tensors_storage():
+    # ``p.data = t`` was silently ignored on xshard tensors: p kept its old value.
+    def run(device):
+        p = torch.nn.Parameter(torch.ones(2, 3, device=device))
+        t = torch.arange(8.0, device=device)
+        p.data = t[::2]  # a view: p now shares t's storage, strided
+        t.add_(1)  # seen by p
+        out = [p.detach().clone(), p.stride(), p.requires_grad, p.is_leaf]
+        p.data = torch.zeros(3, dtype=torch.float64, device=device)
+        out += [p.dtype, tuple(p.shape)]
+        loss = (p * 2).sum()
+        loss.backward()
+        out.append(p.grad.clone())
+        return out
+
+    cpu, dev = run("cpu"), run(DEV)
+    assert_same(dev[0], cpu[0])
+    assert dev[1:6] == cpu[1:6] == [(2,), True, True, torch.float64, (3,)]
+    assert_same(dev[6], cpu[6])
+    p = torch.ones(2, device=DEV)
+    with pytest.raises(TypeError, match=r"\.to\(xshard.device\(\)\)"):
+        p.data = torch.zeros(2)

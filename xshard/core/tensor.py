@@ -24,6 +24,7 @@ from xshard.core.execute import to_cpu
 from xshard.core.fallback import cpu_fallback
 
 aten = torch.ops.aten
+_TENSOR_DATA = torch._C.TensorBase.data  # the getter and setter of ``Tensor.data``
 
 
 class XTensor(LazyTensor):
@@ -46,6 +47,23 @@ class XTensor(LazyTensor):
 
     def __init__(self, *args, **kwargs):
         pass
+
+    # ``t.data = other``: PyTorch copies ``other``'s sizes, strides and storage into ``t``'s
+    # TensorImpl, which for a wrapper subclass leaves the value (``_cell``, ``_chain``) as it was,
+    # so the assignment did nothing. Here ``t`` shares ``other``'s storage and view, as in eager.
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, other):
+        if isinstance(other, torch.Tensor) and not isinstance(other, LazyTensor):
+            raise TypeError(
+                f"tensor.data = ... on an xshard tensor needs an xshard tensor, got a tensor on "
+                f"{other.device}; move it first: t.data = other.to(xshard.device()).")
+        _TENSOR_DATA.__set__(self, other)  # sizes, strides, dtype; raises for a non-tensor
+        self._cell, self._chain, self._meta = other._cell, other._chain, other._meta
+        self._cache, self._cache_version = None, -1
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
