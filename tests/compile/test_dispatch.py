@@ -82,9 +82,12 @@ def test_each_update_reuses_the_buffer_of_the_state_it_replaces():
     header = program.compiled.as_text().split("\n", 1)[0]
     aliases = [(int(o), int(i)) for o, i in re.findall(r"\{(\d+)\}: \((\d+), \{\}", header)]
     slot_of_input = dict(program.donated)
-    slot_of_output = {w.position: w.slot for w in program.writes}
-    assert len(program.donated) > 50 and len(aliases) == len(program.donated)
-    crossed = [(o, i) for o, i in aliases if slot_of_output.get(o) != slot_of_input.get(i)]
+    slots_of_output = {}  # AdamW's step counts: one output stored into every count
+    for w in program.writes:
+        slots_of_output.setdefault(w.position, set()).add(w.slot)
+    assert len(program.donated) > 40 and len(aliases) == len(program.donated)
+    crossed = [(o, i) for o, i in aliases
+               if slot_of_input.get(i) not in slots_of_output.get(o, ())]
     assert not crossed
 
 

@@ -323,3 +323,37 @@ def test_graphs_differing_in_one_static_argument_do_not_share_an_executable():
     for fn in cases:
         torch.testing.assert_close(fn(d).cpu(), fn(a), atol=1e-6, rtol=1e-6)
         assert torch.equal(torch.signbit(fn(d).cpu()), torch.signbit(fn(a)))
+
+
+def test_same_values_merges_only_what_computes_the_same_value():
+    # See [Note: values computed twice] in xshard/core/graph.py.
+    from xshard.core.api import value
+    from xshard.core.graph import same_values
+
+    a, b = fresh(3), fresh(3)
+    x1, x2 = a * 2 + 1, a * 2 + 1  # recorded twice: two nodes, one value
+    other = b * 2 + 1  # the same ops on other data
+    scaled = a * 2.5 + 1  # another scalar
+    torch.manual_seed(0)
+    r1 = torch.rand(3, device=DEV)
+    r2 = torch.rand(3, device=DEV)  # the next draw of the stream: another value
+    nodes = [value(t) for t in (x1, x2, other, scaled, r1, r2)]
+    merged = same_values(nodes)
+    assert merged[1] is merged[0] is nodes[0]
+    assert [n is m for n, m in zip(nodes[2:], merged[2:])] == [True] * 4
+
+    # _foreach_* results: element k from element k of each list; a list of scalars per element.
+    steps = [fresh(()) for _ in range(3)]
+    same = [s.clone() for s in [steps[0]] * 3]
+    torch._foreach_add_(same, 1)
+    assert len({id(n) for n in same_values([value(s) for s in same])}) == 1
+    apart = [s.clone() for s in steps]
+    torch._foreach_add_(apart, 1)
+    assert len({id(n) for n in same_values([value(s) for s in apart])}) == 3
+    by_list = [s.clone() for s in [steps[0]] * 3]
+    torch._foreach_add_(by_list, [1.0, 2.0, 1.0])
+    got = same_values([value(s) for s in by_list])
+    assert got[2] is got[0] is not got[1]
+    per_element = [s.clone() for s in [steps[0]] * 3]
+    torch._foreach_mul_(per_element, (b * 3)[0])  # one 0-d tensor for every element
+    assert len({id(n) for n in same_values([value(s) for s in per_element])}) == 1

@@ -94,3 +94,77 @@ def _put_first(first, inputs: list, entries: list) -> list:
 def _leaf(node, boundary) -> bool:
     op = node.op
     return op is ir.DATA or op is ir.SCALAR or (boundary and op in boundary)
+
+
+# [Note: values computed twice]
+# Two nodes compute the same value when they have the same key (op, static arguments, shape, dtype)
+# and their inputs are, recursively, the same values: data by identity (one array), scalars by type
+# and exact value. Random ops are no exception: a draw's key data comes from the stream's seed and
+# counter, two scalars (see xshard.core.rng), so two draws are the same value only when they use the
+# same counter, which is what activation checkpointing does to recompute a mask. A compiled step
+# stores such values once (xshard.step): AdamW's step count per parameter is one array, written into
+# every parameter's count, and the next recording then reads it as one input. Result k of a
+# ``_foreach_*`` op (optimizers update their lists of state with them) is computed from element k of
+# each tensor list alone, so it is numbered from those elements and the op's other arguments whole.
+
+
+def same_values(nodes) -> list:
+    """Each of ``nodes`` replaced by the first of them that computes the same value (see [Note:
+    values computed twice])."""
+    numbers: dict = {}  # id(node) -> value number
+    interned: dict = {}
+    first: dict = {}  # value number -> the first of ``nodes`` with it
+    out = []
+    for root in nodes:
+        stack = [root]
+        while stack:
+            node = stack[-1]
+            if id(node) in numbers:
+                stack.pop()
+                continue
+            todo = [i for i in node.inputs if id(i) not in numbers]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            if node.op is ir.DATA:
+                local = (ir.DATA, id(node))
+            elif node.op is ir.SCALAR:
+                local = (node.key, ir.exact(node.payload))
+            elif node.op is ir.OUTPUT and _foreach(node.inputs[0].op):
+                local = _foreach_result(node, numbers)
+            else:
+                local = (node.key, tuple([numbers[id(i)] for i in node.inputs]))
+            numbers[id(node)] = interned.setdefault(local, len(interned))
+        out.append(first.setdefault(numbers[id(root)], root))
+    return out
+
+
+def _foreach(op) -> bool:
+    return type(op) is not str and op.__name__.startswith("_foreach_")
+
+
+def _foreach_result(node, numbers: dict) -> tuple:
+    """The value number's form of result ``k`` of a ``_foreach_*`` op (see [Note: values computed
+    twice]); it keeps ``k`` when another argument may differ per element (a list of scalars, a
+    tensor of per-element scalars)."""
+    multi, k = node.inputs[0], node.template
+    per_element = False
+
+    def part(x):
+        nonlocal per_element
+        if type(x) is ir.Slot:
+            source = multi.inputs[x.index]
+            if len(source.shape) > 0 and source.op is not ir.SCALAR:
+                per_element = True
+            return ("whole", numbers[id(source)])
+        if type(x) is tuple:
+            if len(x) == len(multi.outputs) and x and all(type(e) is ir.Slot for e in x):
+                return ("item", numbers[id(multi.inputs[x[k].index])])
+            if any(isinstance(e, (int, float, complex)) for e in x):
+                per_element = True  # a list of scalars
+            return tuple([part(e) for e in x])
+        return ir.exact(x)
+
+    form = part(multi.template)
+    return ("foreach", multi.key, node.shape, node.dtype, form, k if per_element else None)

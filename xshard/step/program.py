@@ -17,6 +17,15 @@ for the storages it reads, the data node it wrote there. When both are unchanged
 nothing touched the state between calls) the form is the one the program produced, which by
 construction is the one it reads. Anything else is compared in full, and an equal form is adopted.
 
+[Note: slots sharing data]
+Slots can hold one data node: a tensor tied in two modules, a parameter and its optimizer group,
+``ema.copy_(p)`` (the copy shares p's data until one is written), ``step(x, x)``, and AdamW's step
+counts, which a compiled step stores as one array (see [Note: values computed twice] in
+xshard.core.graph). The program then reads that data once, from the first slot, so each call checks
+that the other slots still hold the same node; when one does not (``ema`` and ``p`` each written
+since, ``step(x, y)``), the step is recorded again, with an input per slot. Such data is consumed
+only when the step overwrites every storage holding it.
+
 [Note: donation of replayed state]
 A program consumes (donates) the arrays of the state it overwrites, as a lazy sync does for buffers
 no live tensor holds. Between calls those arrays are held by the storages the program wrote them to,
@@ -196,13 +205,16 @@ class Program:
         self.expect_node: list = []
         self.inputs: list = []  # per executable input: (kind, a, b)
         self.writes: list[Write] = []
-        self.write_plan = None  # per write (position, slot, node maker, Write), after the first
+        # Per output, after the first call: (position, node maker, (slot, Write) per slot).
+        self.write_plan = None
         self.clears: list[int] = []  # slots the step leaves empty
         self.arg_writes: frozenset = frozenset()  # argument slots the step writes
         self.returns = None  # (treedef, per leaf (kind, a, b))
         self.compiled = None  # the jax executable (``executable.compiled``)
         self.executable = None  # xshard.core.compiler.Executable
         self.graph = None  # kept for the multi-process check only (see record.py)
+        # (slot, other slots) per input that several slots held (see [Note: slots sharing data])
+        self.shared: list = []
         self.donated: list = []  # (input position, slot) of each consumed input
         self.copied: list[int] = []  # inputs the executable consumes that must be kept
         self.draws = 0  # random draws per call
@@ -226,6 +238,7 @@ class Program:
         # Slots whose form after the step differs from the form the step reads (the first step
         # creates optimizer state): the guard never takes their objects on trust.
         self.unsteady: list[int] = []
+        self.requires_grad: list = []  # per slot, whether the tensor recorded there requires grad
         self.optimizers: list = []
         self.state_dicts: list = []  # each optimizer's ``state`` when the getters were made
         self.per_param_dicts: list = []
@@ -275,23 +288,52 @@ class Program:
         if getters is None:
             getters = [self.slots[i].get for i in self.guarded]
         expect, expect_node, source = self.expect, self.expect_node, self.source
-        value = api.storage_value
+        requires_grad = self.requires_grad
+        value, storage = api.storage_value, api.storage
         stale = None
         for i, get in zip(self.guarded, getters):
             obj = get()
             if obj is expect[i]:
-                node = expect_node[i]
-                if node is None or obj is None or value(source[i]) is node:
+                cell = source[i]
+                if cell is None:  # None or a host value
                     continue
+                # The same tensor, still on the same storage (``t.data = other`` moves it) and
+                # still (not) requiring grad (``requires_grad_(False)`` freezes a parameter).
+                if storage(obj) is cell and obj.requires_grad is requires_grad[i]:
+                    node = expect_node[i]
+                    if node is None or value(cell) is node:
+                        continue
             if stale is None:
                 stale = []
             stale.append(i)
         if stale:
             reason = self._recheck(stale)
-            if reason is None and getters is not self.getters:
+            if reason is not None:
+                return reason
+            if getters is not self.getters:
                 self.refresh_getters()
-            return reason
+        return self._check_shared() if self.shared else None
+
+    def _check_shared(self) -> str | None:
+        """None when the slots that held one input's data when the step was recorded still hold
+        the same data node (see [Note: slots sharing data]), else which slot differs."""
+        source = self.source
+        for i, others in self.shared:
+            cell, node = source[i], self._data_in(i)
+            for j in others:
+                if (cell is None or source[j] is not cell) and self._data_in(j) is not node:
+                    return (f"{self.slots[j].name} no longer holds the same data as "
+                            f"{self.slots[i].name}, as when the step was recorded")
         return None
+
+    def _data_in(self, i: int):
+        cell = self.source[i]
+        if cell is None:  # an argument (or a slot now holding no tensor)
+            obj = self.slots[i].get()
+            if not api.is_device_tensor(obj):
+                return None
+            cell = api.storage(obj)
+        return api.storage_value(cell)
 
     def refresh_getters(self) -> None:
         """Fast lookups of the guarded slots, valid while the optimizers' state dicts stay."""
@@ -397,18 +439,23 @@ class Program:
         write = api.write_data
         plan = self.write_plan
         if plan is None:  # the recording call: each Write makes its node maker from the array
+            nodes = {}  # one data node per output, however many slots it goes to
             for w in self.writes:
-                self._store(w, w.node(results[w.position]))
+                node = nodes.get(w.position)
+                if node is None:
+                    node = nodes[w.position] = w.node(results[w.position])
+                self._store(w, node)
         else:
-            for position, i, maker, w in plan:
+            for position, maker, targets in plan:
                 node = maker(results[position])
-                target = storage[i]
-                if target is not None:  # the guard saw the object the program left there
-                    write(target, node)
-                    if expect_node[i] is not None:
-                        expect_node[i] = node
-                else:
-                    self._store(w, node)
+                for i, w in targets:
+                    target = storage[i]
+                    if target is not None:  # the guard saw the object the program left there
+                        write(target, node)
+                        if expect_node[i] is not None:
+                            expect_node[i] = node
+                    else:
+                        self._store(w, node)
         for i in self.clears:
             if slots[i].get() is not None:
                 slots[i].set(None)
@@ -424,6 +471,8 @@ class Program:
                 out.append(api.new_tensor(api.data_node(results[a], *b)))
             elif kind == "slot":
                 out.append(slots[a].get())
+            elif kind == "view":
+                out.append(api.view_of(slots[a].get(), b))
             else:
                 out.append(a)
         return pytree.tree_unflatten(out, treedef)
@@ -453,9 +502,13 @@ class Program:
             if not isinstance(s, st.ArgSlot):
                 self.adopt(i, s.get())
         self.unsteady = [i for i in self.guarded if spec_of(self.expect[i]) != self.specs[i]]
+        self.requires_grad = [s is not None and s[0] == "tensor" and s[3] for s in self.specs]
         self.measure_refs()
         self.refresh_getters()
-        self.write_plan = [(w.position, w.slot, w.maker, w) for w in self.writes]
+        targets = {}
+        for w in self.writes:
+            targets.setdefault(w.position, []).append((w.slot, w))
+        self.write_plan = [(position, ws[0][1].maker, ws) for position, ws in targets.items()]
         for i in self.unsteady:
             self.expect[i] = _UNSTEADY
 

@@ -47,7 +47,7 @@ import torch.utils._pytree as pytree
 
 from xshard.core import api, arrays, capture, compiler, execute, ir, rng, runtime, trace
 from xshard.core.dtypes import to_numpy_dtype
-from xshard.core.graph import Graph
+from xshard.core.graph import Graph, same_values
 from xshard.step import optim as optim_support
 from xshard.step import state as st
 from xshard.step.errors import (CaptureError, CompileError, StateError, user_line,
@@ -121,6 +121,7 @@ class Recording:
         entry = [s.get() for s in slots]
         specs = [spec_of(o) for o in entry]
         self._refuse_partial_sums(slots, entry)
+        self._share_equal_scalars(slots, entry)
         program = Program(name)
         program.grad_enabled = torch.is_grad_enabled()
         program.flag_modules = [m for root in roots.modules for m in root.modules()]
@@ -197,6 +198,23 @@ class Recording:
                     f"sums (gradients accumulated under FSDP.no_sync()), which a compiled step "
                     f"cannot read. Run the steps that accumulate under no_sync, and the first one "
                     f"after it, without xshard.compile.")
+
+    @staticmethod
+    def _share_equal_scalars(slots, entry) -> None:
+        """0-d state of one value gets one data node, which the program then reads once (see
+        [Note: slots sharing data] in program.py): AdamW's step counts after a checkpoint is
+        loaded, BatchNorm's batch counts."""
+        first = {}
+        for slot, obj in zip(slots, entry):
+            if isinstance(slot, st.ArgSlot) or not api.is_device_tensor(obj) or obj.dim() != 0 \
+                    or api.is_view(obj):
+                continue
+            storage = api.storage(obj)
+            node = api.storage_value(storage)
+            kept = first.setdefault(
+                (obj.dtype, node.sharding, api.annotation(obj), ir.exact(obj.item())), node)
+            if kept is not node:
+                api.write_data(storage, kept)
 
     @staticmethod
     def _record_sizes(program: Program, roots) -> None:
@@ -317,10 +335,18 @@ class Recording:
                                     api.annotation(obj)))
         leaves_out, out_def = pytree.tree_flatten(out)
         exit_slot = {id(o): i for i, o in enumerate(exits) if api.is_device_tensor(o)}
+        # A returned view of state (``model.weight.detach()``) shares its storage, as in eager:
+        # later steps update it, and it never holds an array a later call consumes.
+        exit_storage = {}
+        for i, o in enumerate(exits):
+            if api.is_device_tensor(o) and not api.is_view(o):
+                exit_storage.setdefault(id(api.storage(o)), i)
         returns = []
         for leaf in leaves_out:
             if id(leaf) in exit_slot:
                 returns.append(("slot", exit_slot[id(leaf)], None))
+            elif api.is_device_tensor(leaf) and id(api.storage(leaf)) in exit_storage:
+                returns.append(("view", exit_storage[id(api.storage(leaf))], api.view_spec(leaf)))
             elif api.is_device_tensor(leaf):
                 accounted.add(id(api.storage(leaf)))
                 pairs.append((api.value(leaf), None))
@@ -349,25 +375,40 @@ class Recording:
                 f"are state of a module or optimizer xshard.compile did not find, pass that with "
                 f"state=.", stacklevel=user_stacklevel())
 
-        sources = {}  # id(entry node) -> slot index
+        # Outputs computing the same value are stored once (see [Note: values computed twice] in
+        # xshard.core.graph): the slots they go to then hold one data node.
+        pairs = list(zip(same_values([v for v, _ in pairs]), [a for _, a in pairs]))
+
+        holding = {}  # id(entry node) -> the slots holding it (see [Note: slots sharing data])
         arg_storages = set()
         for i, obj in enumerate(entry):
             if api.is_device_tensor(obj):
                 storage = api.storage(obj)
                 w = wrapped.get(id(storage))
-                if w is not None and id(w[1]) not in sources:
-                    sources[id(w[1])] = i
+                if w is not None:
+                    holding.setdefault(id(w[1]), []).append(i)
                 if isinstance(slots[i], st.ArgSlot):
                     arg_storages.add(id(storage))
-        # The entry data of the state the step overwrites is consumed (donated), unless some other
-        # live storage holds the same array.
+        # The entry data of the state the step overwrites is consumed (donated), unless a storage
+        # the step leaves alone or some other live storage holds the same array, or the output
+        # replacing it is also returned as a new tensor (the next call would consume that).
         held = _held_elsewhere(wrapped)
-        consumed = {id(wrapped[k][1]) for k in destination
-                    if k in wrapped and k not in arg_storages
-                    and id(wrapped[k][1].payload) not in held}
+        returned = {(id(pairs[a][0]), pairs[a][1]) for k, a, _ in returns if k == "new"}
+        keeping = {id(node) for k, (_, node, _) in wrapped.items()
+                   if k not in destination or k in arg_storages
+                   or (id(pairs[destination[k]][0]), pairs[destination[k]][1]) in returned}
+        consumed = {id(node) for k, (_, node, _) in wrapped.items()
+                    if id(node) not in keeping and id(node.payload) not in held}
         # The outputs replacing consumed state first, and those inputs in the same order (see
-        # [Note: inputs in the order of the outputs that replace them] in xshard.core.graph).
-        lead = [p for p in range(len(pairs)) if id(replaced.get(p)) in consumed]
+        # [Note: inputs in the order of the outputs that replace them] in xshard.core.graph),
+        # each once.
+        lead, leading = [], set()
+        for p, (value, annotation) in enumerate(pairs):
+            r = replaced.get(p)
+            if r is not None and id(r) in consumed and id(r) not in leading and \
+                    (id(value), annotation) not in leading:
+                lead.append(p)
+                leading.update((id(r), (id(value), annotation)))
         if lead:
             taken = set(lead)
             order = lead + [p for p in range(len(pairs)) if p not in taken]
@@ -387,7 +428,7 @@ class Recording:
         # the graph. A digest exists exactly when processes compare them.
         program.graph = graph if exe.digest is not None else None
         values = compiler.input_values(graph)
-        self._plan_inputs(program, graph, values, sources, rates, numbers, stream)
+        self._plan_inputs(program, graph, values, holding, rates, numbers, stream)
         mine = set(donate)
         # A cached executable compiled with other donations (the same graph, earlier): an input it
         # consumes that this step must keep is passed as a copy (as a lazy sync does).
@@ -431,17 +472,19 @@ class Recording:
         del results
         return result
 
-    def _plan_inputs(self, program, graph, values, sources, rates, numbers, stream):
+    def _plan_inputs(self, program, graph, values, holding, rates, numbers, stream):
         """Where each executable input comes from on a replay."""
         shardings = program.compiled.input_shardings[0]
         rate_of = {id(r.input): r for r in rates}
         draws = _random_inputs(graph, stream, self.compiled.name)
         inputs, constants = [], []
         for k, node in enumerate(graph.inputs):
-            if id(node) in sources:
-                i = sources[id(node)]
+            if id(node) in holding:
+                i, *others = holding[id(node)]
                 kind = "arg" if isinstance(program.slots[i], st.ArgSlot) else "state"
                 inputs.append((kind, i, None))
+                if others:
+                    program.shared.append((i, others))
             elif id(node) in rate_of:
                 r = rate_of[id(node)]
                 inputs.append(("lr", Rate(r.optimizer, r.group, to_numpy_dtype(r.dtype),

@@ -1,0 +1,251 @@
+"""State and arguments that share data, and state whose storage or flags change between calls:
+each compiled call computes what eager CPU PyTorch does (see [Note: slots sharing data] in
+xshard/step/program.py). Before, every case here gave a silent wrong answer or lost data."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import xshard
+from compile_testing import DEV, MLP, make_batches
+from xshard.core import api
+
+
+def _sgd_step(model, opt, extra=None):
+    def train_step(x, y):
+        loss = model(x, y)
+        if extra is not None:
+            loss = loss + extra(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step
+
+
+def _run(device, compiled, between=None, n=4, extra=None, make_state=None):
+    """Trains the MLP ``n`` steps on ``device``; ``between(i, model, opt, state)`` runs before
+    call ``i``. Returns the losses, the parameters and ``state`` on the CPU."""
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = make_state(model, device) if make_state else None
+    fn = _sgd_step(model, opt, extra and (lambda m: extra(m, state)))
+    step = xshard.compile(fn, state=list(state or ())) if compiled else fn
+    losses = []
+    for i, (x, y) in enumerate(make_batches("mlp", n)):
+        if between is not None:
+            between(i, model, opt, state)
+        losses.append(step(x.to(device), y.to(device)).item())
+    params = [p.detach().cpu() for p in model.parameters()]
+    return losses, params, [t.cpu() for t in state or ()], step
+
+
+def _assert_same(cpu, dev):
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1] + cpu[2], dev[1] + dev[2]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_state_copied_from_a_parameter_and_updated_by_the_step():
+    """``ema.copy_(p)`` before the first call: ema and p hold one data node when the step is
+    recorded, and the step then writes each; the program read the shared data once, so from the
+    second call on ema was computed from p."""
+    def make_state(model, device):
+        ema = [torch.zeros_like(p, requires_grad=False) for p in model.parameters()]
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.copy_(p)
+        return ema
+
+    def extra(model, ema):
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.mul_(0.5).add_(p, alpha=0.5)
+        return 0.0
+
+    cpu = _run("cpu", False, extra=extra, make_state=make_state)
+    dev = _run(DEV, True, extra=extra, make_state=make_state)
+    _assert_same(cpu, dev)
+    assert dev[3].traces == 2  # the second call finds ema and p apart, and records again
+    assert "no longer holds the same data" in dev[3].retrace_reasons[0]
+
+
+def test_state_read_but_not_written_keeps_data_it_shares_with_a_parameter():
+    """An anchor copied from a weight and only read by the step: the step overwrites the weight,
+    which must not consume the data the anchor still holds (it did: "Array has been deleted")."""
+    def make_state(model, device):
+        anchor = torch.zeros_like(model.fc1.weight, requires_grad=False)
+        with torch.no_grad():
+            anchor.copy_(model.fc1.weight)
+        return [anchor]
+
+    def extra(model, state):
+        return (model.fc1.weight - state[0]).pow(2).sum()
+
+    cpu = _run("cpu", False, extra=extra, make_state=make_state)
+    dev = _run(DEV, True, extra=extra, make_state=make_state)
+    _assert_same(cpu, dev)
+
+
+def test_one_tensor_passed_twice_then_two():
+    def f(a, b):
+        return a * 2 + b
+
+    step = xshard.compile(f)
+    x, y = torch.ones(4), torch.full((4,), 5.0)
+    same = x.to(DEV)
+    torch.testing.assert_close(step(same, same).cpu(), f(x, x))
+    torch.testing.assert_close(step(same, y.to(DEV)).cpu(), f(x, y))  # was f(x, x)
+    torch.testing.assert_close(step(same, same).cpu(), f(x, x))
+    torch.testing.assert_close(step(x.to(DEV), x.to(DEV)).cpu(), f(x, x))
+    assert step.traces == 2 and "argument 1" in step.retrace_reasons[0]
+
+
+def test_tied_parameters_untied_between_calls():
+    """Two modules holding one parameter, then each its own: the program must read and update
+    both (it kept reading and updating only the first)."""
+    def make(device):
+        torch.manual_seed(0)
+        a, b = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+        b.weight = a.weight
+        model = nn.Sequential(a, nn.Tanh(), b).to(device)
+        return model
+
+    def run(device, compiled):
+        model = make(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train_step(x):
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        step = xshard.compile(train_step) if compiled else train_step
+        losses = []
+        g = torch.Generator().manual_seed(3)
+        for i in range(4):
+            if i == 2:
+                with torch.no_grad():
+                    model[2].weight = nn.Parameter(model[0].weight.detach().clone() * 0.5)
+                opt.param_groups[0]["params"].append(model[2].weight)
+            losses.append(step(torch.randn(2, 3, generator=g).to(device)).item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_parameter_data_assigned_between_calls():
+    """``p.data = t``: the parameter now holds t's storage (it was ignored: the step kept
+    reading and updating the old storage)."""
+    def between(i, model, opt, state):
+        if i == 2:
+            model.fc1.weight.data = torch.full_like(model.fc1.weight, 0.3)
+
+    cpu = _run("cpu", False, between=between)
+    dev = _run(DEV, True, between=between)
+    _assert_same(cpu, dev)
+
+
+def test_parameter_frozen_between_calls():
+    """``requires_grad_(False)`` between calls: the step records again and leaves the parameter
+    alone (it kept updating it)."""
+    def between(i, model, opt, state):
+        if i == 2:
+            model.fc1.weight.requires_grad_(False)
+
+    cpu = _run("cpu", False, between=between)
+    dev = _run(DEV, True, between=between)
+    _assert_same(cpu, dev)
+    assert dev[3].traces == 2 and "requires_grad" in dev[3].retrace_reasons[0]
+
+
+def test_returned_view_of_state_shares_its_storage():
+    """``return model.fc1.weight.detach()``: as in eager, each returned tensor shares the weight's
+    storage; keeping them across calls kept arrays the next call consumed ("Array has been
+    deleted")."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train_step(x, y):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            return model.fc1.weight.detach(), model.fc2.bias[1:]
+
+        step = xshard.compile(train_step) if compiled else train_step
+        kept = [step(x.to(device), y.to(device)) for x, y in make_batches("mlp", 3)]
+        return [(w.cpu(), b.detach().cpu()) for w, b in kept]
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    for (w1, b1), (w2, b2) in zip(cpu, dev):
+        torch.testing.assert_close(w2, w1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b2, b1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dev[0][0], dev[-1][0], rtol=0, atol=0)  # one storage
+
+
+def test_returned_result_also_stored_in_state_is_not_consumed():
+    """A running total kept in a buffer and returned: the next call reads the buffer (and
+    consumes its data), which must not consume the tensor returned before."""
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+    model.register_buffer("total", torch.zeros((), device=DEV))
+
+    @xshard.compile
+    @torch.no_grad()
+    def evaluate(x, y):
+        total = model.total + model(x, y)
+        model.total.copy_(total)  # the buffer now holds the returned value's data
+        return total
+
+    batches = make_batches("mlp", 4)
+    kept = [evaluate(x.to(DEV), y.to(DEV)) for x, y in batches]
+    cpu = MLP()
+    cpu.load_state_dict({k: v.cpu() for k, v in model.state_dict().items() if k != "total"})
+    want = torch.cumsum(torch.stack([cpu(x, y).detach() for x, y in batches]), 0)
+    torch.testing.assert_close(torch.stack([t.cpu() for t in kept]), want)
+    torch.testing.assert_close(model.total.cpu(), want[-1])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_step_counts_are_stored_once(foreach):
+    """Every parameter's step count is one value, stored once and read once; a count changed by
+    hand makes the step record again, and every count then follows eager."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach,
+                                capturable=device != "cpu")
+        fn = _sgd_step(model, opt)
+        step = xshard.compile(fn) if compiled else fn
+        for i, (x, y) in enumerate(make_batches("mlp", 7)):
+            if i == 3:
+                with torch.no_grad():
+                    opt.state[model.fc2.bias]["step"].fill_(10.0)
+            if i == 5:  # as when resuming from a checkpoint: every count its own tensor
+                with torch.no_grad():
+                    for s in opt.state.values():
+                        s["step"] = s["step"].clone().fill_(20.0)
+            step(x.to(device), y.to(device))
+            if compiled and i in (2, 5):
+                counts = {id(api.storage_value(api.storage(s["step"])))
+                          for s in opt.state.values()}
+                assert len(counts) == 1
+                state_inputs = [k for k, *_ in step._last.inputs if k == "state"]
+                assert len(state_inputs) == 3 * 4 + 1  # params, two moments; one count
+        return [p.detach().cpu() for p in model.parameters()], \
+            [float(s["step"]) for s in opt.state.values()], step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    assert dev[1] == cpu[1] == [22.0] * 4
+    for a, b in zip(cpu[0], dev[0]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # State created, steady, a count apart, then the counts equal again.
+    assert dev[2].traces == 4
