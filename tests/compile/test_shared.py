@@ -249,3 +249,73 @@ def test_adamw_step_counts_are_stored_once(foreach):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     # State created, steady, a count apart, then the counts equal again.
     assert dev[2].traces == 4
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.scale = 1.0  # a Python setting the forward reads
+        self.extra = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return (self.fc(x) * self.scale + self.extra).pow(2).sum()
+
+
+@pytest.mark.parametrize("change", ["module setting", "parameter added to a group",
+                                    "parameter removed from a group"])
+def test_settings_and_param_groups_changed_between_calls(change):
+    """Each was ignored by the replay: a module's Python setting is built into the program, and
+    a param group's parameter list decides what the optimizer updates."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = _Scaled().to(device)
+        opt = torch.optim.SGD([model.fc.weight, model.fc.bias], lr=0.1)
+
+        def train_step(x):
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        step = xshard.compile(train_step) if compiled else train_step
+        losses = []
+        for i in range(4):
+            if i == 2:
+                if change == "module setting":
+                    model.scale = 3.0
+                elif change == "parameter added to a group":
+                    opt.param_groups[0]["params"].append(model.extra)
+                else:
+                    opt.param_groups[0]["params"].pop()
+            losses.append(step(torch.ones(1, 2).to(device)).item())
+        return losses, [p.detach().cpu() for p in model.parameters()], step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    want = ("_Scaled.scale: 1.0 -> 3.0" if change == "module setting"
+            else "number of parameters in param group 0")
+    assert any(want in reason for reason in dev[2].retrace_reasons)
+
+
+def test_gradient_let_go_by_the_step_raises_when_read():
+    """A gradient the step accumulates into and then sets to None (zero_grad): the old tensor,
+    still held by the caller, is not computed by the program; reading it says so (it read
+    arrays the step had consumed: "Array has been deleted")."""
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = (t.to(DEV) for t in make_batches("mlp", 1)[0])
+    model(x, y).backward()  # a gradient before the first call
+    held = model.fc1.weight.grad
+    step = xshard.compile(_sgd_step(model, opt))
+    step(x, y)
+    assert model.fc1.weight.grad is None
+    with pytest.raises(xshard.step.errors.StateError, match="zero_grad"):
+        held.cpu()
+    step(x, y)
+    xshard.sync()  # nothing pending reads a consumed array
+    assert model.fc1.weight.cpu().isfinite().all()

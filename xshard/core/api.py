@@ -15,6 +15,8 @@ Terms (see [Note: cells and views] in ``xshard.core.cells``):
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from xshard.core import capture, cells, compiler, execute, ir, padding, placement, transfer
@@ -50,10 +52,10 @@ def is_view(t: XTensor) -> bool:
     return bool(t._chain)
 
 
-def storage(t: XTensor):
-    """The storage ``t`` shares with its base and views (an identity: compare with ``is``, or
-    use as a dict key)."""
-    return t._cell
+# storage(t): the storage ``t`` shares with its base and views (an identity: compare with ``is``,
+# or use as a dict key). An attrgetter, not a function: a compiled step's guard calls it for
+# every tensor of the state on every call.
+storage = operator.attrgetter("_cell")
 
 
 def annotation(t: XTensor):
@@ -198,9 +200,9 @@ crop_node = padding.crop_node
 # -- storages and whole programs (xshard.step records a step once and replays its program) --------
 
 
-def storage_value(storage) -> ir.Node:
-    """The IR node a storage (``storage(t)``) holds: its base tensor's value."""
-    return storage.value
+# storage_value(storage): the IR node a storage (``storage(t)``) holds, its base tensor's value
+# (an attrgetter, as ``storage``).
+storage_value = operator.attrgetter("value")
 
 
 def write_storage(storage, node: ir.Node) -> None:

@@ -232,6 +232,11 @@ class Program:
         self.flag_values: list = []
         self.flags_after: list = []  # (module, training) the step sets
         self.groups: list = []  # (optimizer, hyper-parameters per group)
+        # Each module's Python settings: (its __dict__, name), their values, types and names.
+        self.settings: list = []
+        self.setting_values: list = []
+        self.setting_types: list = []
+        self.setting_names: list = []
         self.sized: list = []  # dicts whose sizes are part of the state's form
         self.sizes: list = []
         self.size_names: list = []
@@ -271,6 +276,12 @@ class Program:
             for m, v in zip(self.flag_modules, self.flag_values):
                 if m.training != v:
                     return f"{type(m).__name__}.training: {v} -> {m.training}"
+        if self.settings:
+            now = [d.get(k, _MISSING) for d, k in self.settings]
+            if now != self.setting_values or list(map(type, now)) != self.setting_types:
+                reason = self._setting_difference(now)
+                if reason:
+                    return reason
         for opt, settings in self.groups:
             reason = _group_difference(opt, settings)
             if reason:
@@ -334,6 +345,13 @@ class Program:
                 return None
             cell = api.storage(obj)
         return api.storage_value(cell)
+
+    def _setting_difference(self, now) -> str | None:
+        for v, was, name in zip(now, self.setting_values, self.setting_names):
+            if not same_value(v, was):
+                return f"{name}: {was!r} -> {'(deleted)' if v is _MISSING else repr(v)}"
+        self.setting_values = now  # equal values in new objects (a nan, a float set anew)
+        return None
 
     def refresh_getters(self) -> None:
         """Fast lookups of the guarded slots, valid while the optimizers' state dicts stay."""
@@ -514,6 +532,7 @@ class Program:
 
 
 _UNSTEADY = object()  # an object no slot holds
+_MISSING = object()  # a setting deleted since the step was recorded
 _MASK = (1 << 64) - 1  # the counter is a uint64
 
 

@@ -175,6 +175,7 @@ class Recording:
                                                                    program.flag_values)
                                    if m.training != v]
             exits = [s.get() for s in all_slots]
+            _record_settings(program)
             # _plan drops the result once it has read it: whatever its autograd graph keeps alive
             # (saved activations) is not state the step kept.
             result_box = [out]
@@ -226,6 +227,10 @@ class Recording:
         for opt in roots.optimizers:
             program.sized.append(opt.state)
             program.size_names.append(f"parameters with state in a {type(opt).__name__}")
+            for g, group in enumerate(opt.param_groups):
+                program.sized.append(group["params"])
+                program.size_names.append(f"parameters in param group {g} of a "
+                                          f"{type(opt).__name__}")
             for p, per_param in opt.state.items():
                 program.sized.append(per_param)
                 program.size_names.append(f"state entries of a parameter in a "
@@ -309,7 +314,7 @@ class Recording:
         replaced = {}  # pair index -> the entry data node its storage held
         writes = []
         destination = {}  # id(storage) -> pair index
-        accounted = set(wrapped)  # storages whose pending value is dealt with otherwise
+        accounted = set()  # storages whose pending value is dealt with otherwise
         for i, obj in enumerate(exits):
             if obj is None:
                 if entry[i] is not None:
@@ -359,7 +364,20 @@ class Recording:
         # a module attribute that is not a buffer). A replay cannot update them, so they are left
         # out, and reading one says why.
         stray = [s for s in api.pending_storages()
-                 if id(s) not in destination and id(s) not in accounted]
+                 if id(s) not in destination and id(s) not in accounted and id(s) not in wrapped]
+        # State the step changed and then let go of (a gradient accumulated, then set to None by
+        # zero_grad): no slot holds it any more, so it is left out as well, without a warning;
+        # it reads the step's inputs, which the step may consume.
+        dropped = [storage for k, (storage, _, wrapper) in wrapped.items()
+                   if k not in destination and k not in accounted
+                   and api.storage_value(storage) is not wrapper]
+        if dropped:
+            error = StateError(
+                f"this tensor was changed inside xshard.compile({name}) after the step had let go "
+                f"of it (a gradient set to None by zero_grad, a replaced buffer); a compiled step "
+                f"does not update it. Read it from the model or optimizer instead.")
+            for s in dropped:
+                api.quarantine(s, error)
         if stray:
             error = StateError(
                 f"this tensor was computed inside xshard.compile({name}) and kept outside the "
@@ -546,3 +564,24 @@ def _held_elsewhere(wrapped) -> set:
         if node.op is ir.DATA:
             held.add(id(node.payload))
     return held
+
+
+# What every nn.Module has in its __dict__ (parameters, buffers, hooks, ``training``): not settings.
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+_SETTING_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
+
+
+def _record_settings(program: Program) -> None:
+    """The modules' Python settings (``self.scale = 0.5``, ``dropout.p``, ``eps``) as the step
+    left them: the program has their values built in, so the guard compares them."""
+    for m in program.flag_modules:
+        d = m.__dict__
+        for k, v in d.items():
+            if k in _MODULE_INTERNALS:
+                continue
+            if type(v) in _SETTING_TYPES or (type(v) in (tuple, torch.Size) and all(
+                    type(e) in _SETTING_TYPES for e in v)):
+                program.settings.append((d, k))
+                program.setting_values.append(v)
+                program.setting_names.append(f"{type(m).__name__}.{k}")
+    program.setting_types = [type(v) for v in program.setting_values]
