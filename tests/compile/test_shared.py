@@ -12,8 +12,8 @@ from xshard.core import api
 
 
 def _sgd_step(model, opt, extra=None):
-    def train_step(x, y):
-        loss = model(x, y)
+    def train_step(*batch):
+        loss = model(*batch)
         if extra is not None:
             loss = loss + extra(model)
         loss.backward()
@@ -115,15 +115,8 @@ def test_tied_parameters_untied_between_calls():
     def run(device, compiled):
         model = make(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def train_step(x):
-            loss = model(x).pow(2).sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        step = xshard.compile(train_step) if compiled else train_step
+        train_step = _sgd_step(lambda x: model(x).pow(2).sum(), opt)
+        step = xshard.compile(train_step, state=[model]) if compiled else train_step
         losses = []
         g = torch.Generator().manual_seed(3)
         for i in range(4):
@@ -271,14 +264,7 @@ def test_settings_and_param_groups_changed_between_calls(change):
         torch.manual_seed(0)
         model = _Scaled().to(device)
         opt = torch.optim.SGD([model.fc.weight, model.fc.bias], lr=0.1)
-
-        def train_step(x):
-            loss = model(x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        train_step = _sgd_step(model, opt)
         step = xshard.compile(train_step) if compiled else train_step
         losses = []
         for i in range(4):
@@ -319,3 +305,69 @@ def test_gradient_let_go_by_the_step_raises_when_read():
     step(x, y)
     xshard.sync()  # nothing pending reads a consumed array
     assert model.fc1.weight.cpu().isfinite().all()
+
+
+def test_autocast_on_off_and_dtype_between_calls():
+    """A step recorded under ``torch.autocast`` holds its casts: called without autocast, or with
+    another dtype, it records again (it replayed the first recording's bfloat16 program)."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).to(DEV)
+
+    @torch.no_grad()
+    def forward(x):
+        return model(x)
+
+    step = xshard.compile(forward)
+    x = torch.randn(4, 16).to(DEV)
+    for dtype in (torch.bfloat16, None, torch.float16, torch.bfloat16):
+        if dtype is None:
+            got, want = step(x), forward(x)
+        else:
+            with torch.autocast("xshard", dtype=dtype):
+                got, want = step(x), forward(x)
+        assert got.dtype == want.dtype == (dtype or torch.float32)
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0)
+    assert step.traces == 3 and "autocast" in step.retrace_reasons[0]
+
+
+SCALE = 1.0  # a global the step reads (test_python_settings_read_by_the_step_function)
+
+
+def test_python_settings_read_by_the_step_function():
+    """A global and a closure variable the step reads are built into the program; changing
+    either records the step again (they were ignored). A name the step uses only as an attribute
+    (``opt.step()``) is not the global of that name."""
+    global SCALE
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    weight = 0.5
+
+    def train_step(x, y):
+        loss = model(x, y) * SCALE * weight
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = xshard.compile(train_step)
+    x, y = (t.to(DEV) for t in make_batches("mlp", 1)[0])
+    globals()["step"] = 0  # a loop counter named like opt.step: never compared
+    losses = []
+    try:
+        for i in range(6):
+            globals()["step"] = i
+            if i == 2:
+                SCALE = 2.0
+            if i == 4:
+                weight = 3.0
+            expected = model(x, y).item() * SCALE * weight
+            losses.append((step(x, y).item(), expected))
+    finally:
+        SCALE = 1.0
+        del globals()["step"]
+    for got, want in losses:
+        assert got == pytest.approx(want, rel=1e-5)
+    assert step.traces == 3
+    assert "global 'SCALE': 1.0 -> 2.0" in step.retrace_reasons[0]
+    assert "closure variable 'weight': 0.5 -> 3.0" in step.retrace_reasons[1]

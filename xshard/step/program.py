@@ -228,6 +228,7 @@ class Program:
         self.placement: list[int] = []  # outputs whose arrays must be placed (see api.placed)
         # The rest of the guard.
         self.grad_enabled = True
+        self.autocast = (False, None)  # see autocast_state
         self.flag_modules: list = []
         self.flag_values: list = []
         self.flags_after: list = []  # (module, training) the step sets
@@ -272,6 +273,8 @@ class Program:
         """None when this program can run now, else what differs (for the log line)."""
         if torch.is_grad_enabled() is not self.grad_enabled:
             return f"grad mode: {self.grad_enabled} -> {torch.is_grad_enabled()}"
+        if autocast_state() != self.autocast:
+            return f"autocast (enabled, dtype): {self.autocast} -> {autocast_state()}"
         if [m.training for m in self.flag_modules] != self.flag_values:
             for m, v in zip(self.flag_modules, self.flag_values):
                 if m.training != v:
@@ -529,6 +532,14 @@ class Program:
         self.write_plan = [(position, ws[0][1].maker, ws) for position, ws in targets.items()]
         for i in self.unsteady:
             self.expect[i] = _UNSTEADY
+
+
+def autocast_state() -> tuple:
+    """Whether ``torch.autocast`` is on for the device, and its dtype (None when off): which
+    casts a recorded step holds."""
+    if torch.is_autocast_enabled(api.DEVICE_TYPE):
+        return (True, torch.get_autocast_dtype(api.DEVICE_TYPE))
+    return (False, None)
 
 
 _UNSTEADY = object()  # an object no slot holds

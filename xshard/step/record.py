@@ -52,7 +52,8 @@ from xshard.step import optim as optim_support
 from xshard.step import state as st
 from xshard.step.errors import (CaptureError, CompileError, StateError, user_line,
                                  user_stacklevel)
-from xshard.step.program import Program, Rate, Write, describe, same_value, spec_of
+from xshard.step.program import (Program, Rate, Write, autocast_state, describe, same_value,
+                                 spec_of)
 
 _ALIAS = torch.ops.aten.alias.default
 
@@ -124,6 +125,7 @@ class Recording:
         self._share_equal_scalars(slots, entry)
         program = Program(name)
         program.grad_enabled = torch.is_grad_enabled()
+        program.autocast = autocast_state()
         program.flag_modules = [m for root in roots.modules for m in root.modules()]
         program.flag_values = [m.training for m in program.flag_modules]
         program.groups = [(opt, optim_support.hyperparameters(opt)) for opt in roots.optimizers]
@@ -175,7 +177,7 @@ class Recording:
                                                                    program.flag_values)
                                    if m.training != v]
             exits = [s.get() for s in all_slots]
-            _record_settings(program)
+            _record_settings(program, roots)
             # _plan drops the result once it has read it: whatever its autograd graph keeps alive
             # (saved activations) is not state the step kept.
             result_box = [out]
@@ -371,20 +373,17 @@ class Recording:
         dropped = [storage for k, (storage, _, wrapper) in wrapped.items()
                    if k not in destination and k not in accounted
                    and api.storage_value(storage) is not wrapper]
-        if dropped:
-            error = StateError(
-                f"this tensor was changed inside xshard.compile({name}) after the step had let go "
-                f"of it (a gradient set to None by zero_grad, a replaced buffer); a compiled step "
-                f"does not update it. Read it from the model or optimizer instead.")
-            for s in dropped:
-                api.quarantine(s, error)
+        for storages, error in (
+                (dropped, f"this tensor was changed inside xshard.compile({name}) after the step "
+                          f"had let go of it (a gradient set to None by zero_grad, a replaced "
+                          f"buffer); a compiled step does not update it. Read it from the model or "
+                          f"optimizer instead."),
+                (stray, f"this tensor was computed inside xshard.compile({name}) and kept outside "
+                        f"the step's model, optimizer and return value; a compiled step does not "
+                        f"update it. Return it from the step instead.")):
+            for s in storages:
+                api.quarantine(s, StateError(error))
         if stray:
-            error = StateError(
-                f"this tensor was computed inside xshard.compile({name}) and kept outside the "
-                f"step's model, optimizer and return value; a compiled step does not update it. "
-                f"Return it from the step instead.")
-            for s in stray:
-                api.quarantine(s, error)
             shapes = ", ".join(str(list(api.storage_value(s).shape)) for s in stray[:4])
             warnings.warn(
                 f"xshard.compile({name}): the step keeps {len(stray)} tensor(s) it computed "
@@ -568,20 +567,21 @@ def _held_elsewhere(wrapped) -> set:
 
 # What every nn.Module has in its __dict__ (parameters, buffers, hooks, ``training``): not settings.
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
-_SETTING_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device)
 
 
-def _record_settings(program: Program) -> None:
-    """The modules' Python settings (``self.scale = 0.5``, ``dropout.p``, ``eps``) as the step
-    left them: the program has their values built in, so the guard compares them."""
+def _record_settings(program: Program, roots) -> None:
+    """The Python settings the program has built in, as the step left them: the modules'
+    (``self.scale = 0.5``, ``dropout.p``, ``eps``), and those the step function reads from its
+    closure and globals. The guard compares them on every call."""
     for m in program.flag_modules:
         d = m.__dict__
         for k, v in d.items():
-            if k in _MODULE_INTERNALS:
-                continue
-            if type(v) in _SETTING_TYPES or (type(v) in (tuple, torch.Size) and all(
-                    type(e) in _SETTING_TYPES for e in v)):
+            if k not in _MODULE_INTERNALS and (v is None or st.is_setting(v)):
                 program.settings.append((d, k))
                 program.setting_values.append(v)
                 program.setting_names.append(f"{type(m).__name__}.{k}")
+    for container, key, name in roots.settings:
+        program.settings.append((container, key))
+        program.setting_values.append(container.get(key, None))
+        program.setting_names.append(name)
     program.setting_types = [type(v) for v in program.setting_values]

@@ -13,6 +13,7 @@ belongs to, and the ``state=`` given to ``xshard.compile``.
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
 from functools import partial
@@ -192,6 +193,9 @@ class Roots:
         self.cells: list = []  # (closure cell, name) holding a device tensor
         self.globals: list = []  # (globals dict, name) holding a device tensor
         self.tensors: list = []  # (device tensor, name) given as state=
+        # (container, key, name) of each Python setting the step function reads from its closure
+        # or globals: container.get(key, default) reads it (see is_setting)
+        self.settings: list = []
         self._seen: set = set()
 
     def add(self, obj, depth: int = 0) -> None:
@@ -258,15 +262,23 @@ def find_roots(fn, extra=()) -> Roots:
                 roots.cells.append((cell, name))
             elif callable(value) and isinstance(value, (types.FunctionType, functools.partial)):
                 visit(value)
+            elif is_setting(value):
+                roots.settings.append((_CellReader(cell), None, f"closure variable {name!r}"))
             else:
                 roots.add(value, depth=1)
         module_globals = getattr(f, "__globals__", {})
+        loaded = _loaded_globals(code)
         for name in _global_names(code):
             value = module_globals.get(name)
             if value is None:
                 continue
             if api.is_device_tensor(value):
                 roots.globals.append((module_globals, name))
+            elif is_setting(value):
+                # Only a name the code loads as a global: ``opt.step()`` does not read a global
+                # ``step`` (a loop counter).
+                if name in loaded:
+                    roots.settings.append((module_globals, name, f"global {name!r}"))
             elif isinstance(value, (nn.Module, torch.optim.Optimizer)):
                 roots.add(value)
             elif isinstance(value, types.FunctionType) and value.__module__ == f.__module__:
@@ -274,6 +286,41 @@ def find_roots(fn, extra=()) -> Roots:
 
     visit(fn)
     return roots
+
+
+_SETTING_TYPES = (bool, int, float, complex, str, torch.dtype, torch.device)
+
+
+def is_setting(value) -> bool:
+    """Whether ``value`` is a Python setting a recorded step builds in (a number, a string, a
+    dtype, a tuple of those): the guard compares it on every call."""
+    return type(value) in _SETTING_TYPES or (
+        type(value) in (tuple, torch.Size) and all(type(v) in _SETTING_TYPES for v in value))
+
+
+class _CellReader:
+    """A closure cell read as ``get(key, default)``, as a settings dict is."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell):
+        self.cell = cell
+
+    def get(self, _key, default):
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # emptied
+            return default
+
+
+def _loaded_globals(code) -> set:
+    """The names ``code`` (and the functions it defines) reads as globals."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL",
+                                                                            "LOAD_NAME")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _loaded_globals(const)
+    return names
 
 
 def _global_names(code) -> set:
