@@ -371,3 +371,34 @@ def test_python_settings_read_by_the_step_function():
     assert step.traces == 3
     assert "global 'SCALE': 1.0 -> 2.0" in step.retrace_reasons[0]
     assert "closure variable 'weight': 0.5 -> 3.0" in step.retrace_reasons[1]
+
+
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_hooks_registered_and_removed_between_calls(where):
+    """Hooks run only while the step is recorded: one registered or removed since records the
+    step again (the replay kept running without it, or with it)."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_step = _sgd_step(model, opt)
+        step = xshard.compile(train_step) if compiled else train_step
+        handle = None
+        losses = []
+        for i, (x, y) in enumerate(make_batches("mlp", 5)):
+            if i == 2:
+                double = lambda module, args, out: out * 2  # noqa: E731
+                handle = (model.fc1.register_forward_hook(double) if where == "module" else
+                          nn.modules.module.register_module_forward_hook(
+                              lambda module, args, out: out * 2 if module is model.fc1 else out))
+            if i == 4:
+                handle.remove()
+            losses.append(step(x.to(device), y.to(device)).item())
+        return losses, [p.detach().cpu() for p in model.parameters()], step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # Removing the hook goes back to the first program.
+    assert dev[2].traces == 2 and "hooks" in dev[2].retrace_reasons[0]

@@ -221,11 +221,16 @@ class Recording:
 
     @staticmethod
     def _record_sizes(program: Program, roots) -> None:
+        # Hooks run only while the step is recorded: one registered or removed since makes
+        # another program.
         for m in program.flag_modules:
             name = type(m).__name__
-            for kind in ("_parameters", "_buffers", "_modules"):
+            for kind in _MODULE_DICTS:
                 program.sized.append(getattr(m, kind))
-                program.size_names.append(f"{kind[1:]} of a {name}")
+                program.size_names.append(f"{kind[1:].replace('_', ' ')} of a {name}")
+        for kind in _GLOBAL_HOOKS:
+            program.sized.append(getattr(torch.nn.modules.module, kind))
+            program.size_names.append(f"global module hooks ({kind[8:].replace('_', ' ')})")
         for opt in roots.optimizers:
             program.sized.append(opt.state)
             program.size_names.append(f"parameters with state in a {type(opt).__name__}")
@@ -564,6 +569,12 @@ def _held_elsewhere(wrapped) -> set:
             held.add(id(node.payload))
     return held
 
+
+# The dicts of a module whose sizes are part of the form of the state a step was recorded for.
+_MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks",
+                 "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")
 
 # What every nn.Module has in its __dict__ (parameters, buffers, hooks, ``training``): not settings.
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
