@@ -15,7 +15,10 @@ has that form. Checking every tensor's form on every call would cost as much as 
 dispatch, so the check is by identity: the program remembers the object it left in each slot and,
 for the storages it reads, the data node it wrote there. When both are unchanged (the common case:
 nothing touched the state between calls) the form is the one the program produced, which by
-construction is the one it reads. Anything else is compared in full, and an equal form is adopted.
+construction is the one it reads. Anything else is compared in full, and an equal form is adopted,
+except in a slot that held a parameter: its gradient and optimizer state were found through that
+object. The objects the step reached its state through are compared by identity (see [Note: what
+the step reaches] in record.py).
 
 [Note: slots sharing data]
 Slots can hold one data node: a tensor tied in two modules, a parameter and its optimizer group,
@@ -37,7 +40,9 @@ program wrote the array, so such an input is passed as a fresh copy instead.
 from __future__ import annotations
 
 import math
+import operator
 import sys
+from itertools import chain
 
 import numpy as np
 import torch
@@ -241,13 +246,25 @@ class Program:
         self.sized: list = []  # dicts whose sizes are part of the state's form
         self.sizes: list = []
         self.size_names: list = []
+        # Objects compared by identity (see [Note: what the step reaches] in record.py): those in
+        # ``container.get(key)`` for each binding, and the entries of each held dict or list.
+        self.bindings: list = []
+        self.bound: list = []
+        self.binding_names: list = []
+        self.held: list = []  # the entries (a dict's values view, or the list itself)
+        self.held_values: list = []  # all of them, flat
+        self.held_names: list = []  # (name, how many entries it had)
+        # Slots holding a parameter when the step was recorded: slot -> that parameter. Its
+        # gradient and optimizer state were found through the object, so another one there is
+        # another program.
+        self.parameters: dict = {}
         # Slots whose form after the step differs from the form the step reads (the first step
         # creates optimizer state): the guard never takes their objects on trust.
         self.unsteady: list[int] = []
         self.requires_grad: list = []  # per slot, whether the tensor recorded there requires grad
         self.optimizers: list = []
-        self.state_dicts: list = []  # each optimizer's ``state`` when the getters were made
-        self.per_param_dicts: list = []
+        # Each optimizer's ``state`` and per-parameter state dicts when the getters were made.
+        self.state_objects: list = []
         self.getters = None
 
     # -- the objects the program expects
@@ -289,6 +306,12 @@ class Program:
             reason = _group_difference(opt, settings)
             if reason:
                 return reason
+        if self.bindings and not _same_objects([d.get(k, _MISSING) for d, k in self.bindings],
+                                               self.bound):
+            return self._binding_difference()
+        if self.held and not _same_objects(list(chain.from_iterable(self.held)),
+                                           self.held_values):
+            return self._held_difference()
         if [len(d) for d in self.sized] != self.sizes:
             for d, n, name in zip(self.sized, self.sizes, self.size_names):
                 if len(d) != n:
@@ -296,9 +319,10 @@ class Program:
         for slot in self.arg_slots:
             slot.leaves = args.leaves
         getters = self.getters
-        if [opt.state for opt in self.optimizers] != self.state_dicts or \
-                [list(state.values()) for state in self.state_dicts] != self.per_param_dicts:
-            getters = None  # optimizer state replaced (load_state_dict): slow lookups
+        if not _same_objects(self._state_objects(), self.state_objects):
+            getters = None  # optimizer state replaced (load_state_dict, clear()): slow lookups
+            for slot in self.slots:
+                slot.forget()
         if getters is None:
             getters = [self.slots[i].get for i in self.guarded]
         expect, expect_node, source = self.expect, self.expect_node, self.source
@@ -349,6 +373,39 @@ class Program:
             cell = api.storage(obj)
         return api.storage_value(cell)
 
+    def bind(self, container, key, name: str) -> None:
+        self.bindings.append((container, key))
+        self.bound.append(container.get(key, _MISSING))
+        self.binding_names.append(name)
+
+    def hold(self, entries, name: str) -> None:
+        entries = entries.values() if isinstance(entries, dict) else entries
+        self.held.append(entries)
+        self.held_values += entries
+        self.held_names.append((name, len(entries)))
+
+    def _binding_difference(self) -> str:
+        for (d, k), was, name in zip(self.bindings, self.bound, self.binding_names):
+            now = d.get(k, _MISSING)
+            if now is not was:
+                return f"{name} is another object: {_short(was)} -> {_short(now)}"
+        return "bindings"
+
+    def _held_difference(self) -> str:
+        start = 0
+        for entries, (name, n) in zip(self.held, self.held_names):
+            was = self.held_values[start:start + n]
+            start += n
+            now = list(entries)
+            if _same_objects(now, was):
+                continue
+            if len(now) != len(was):
+                return f"number of {name}: {len(was)} -> {len(now)}"
+            k = next(k for k, (a, b) in enumerate(zip(was, now)) if a is not b)
+            key = list(entries.mapping)[k] if hasattr(entries, "mapping") else k
+            return f"{name}, entry {key!r}: {_short(was[k])} -> {_short(now[k])}"
+        return "held objects"
+
     def _setting_difference(self, now) -> str | None:
         for v, was, name in zip(now, self.setting_values, self.setting_names):
             if not same_value(v, was):
@@ -358,11 +415,21 @@ class Program:
 
     def refresh_getters(self) -> None:
         """Fast lookups of the guarded slots, valid while the optimizers' state dicts stay."""
-        self.state_dicts = [opt.state for opt in self.optimizers]
-        self.per_param_dicts = [list(state.values()) for state in self.state_dicts]
+        self.state_objects = self._state_objects()
         self.getters = [self.slots[i].fast_get() for i in self.guarded]
 
+    def _state_objects(self) -> list:
+        objects = [opt.state for opt in self.optimizers]
+        for state in objects[:]:
+            objects += state.values()
+        return objects
+
     def _recheck(self, stale) -> str | None:
+        parameters = self.parameters
+        for i in stale:
+            if i in parameters and self.slots[i].get() is not parameters[i]:
+                return (f"{self.slots[i].name} is another tensor object than the parameter it "
+                        f"held when the step was recorded")
         specs = [spec_of(self.slots[i].get()) for i in stale]
         if any(s is not None and s[0] == "tensor" and s[6] == "pending" for s in specs):
             api.sync()  # the state was changed lazily since the last call: compute it first
@@ -522,6 +589,8 @@ class Program:
         for i, s in enumerate(self.slots):
             if not isinstance(s, st.ArgSlot):
                 self.adopt(i, s.get())
+        self.parameters = {i: self.expect[i] for i, s in enumerate(self.slots)
+                           if s.key[0] in ("param", "group_param") and self.expect[i] is not None}
         self.unsteady = [i for i in self.guarded if spec_of(self.expect[i]) != self.specs[i]]
         self.requires_grad = [s is not None and s[0] == "tensor" and s[3] for s in self.specs]
         self.measure_refs()
@@ -532,6 +601,19 @@ class Program:
         self.write_plan = [(position, ws[0][1].maker, ws) for position, ws in targets.items()]
         for i in self.unsteady:
             self.expect[i] = _UNSTEADY
+
+
+def _short(obj) -> str:
+    if obj is _MISSING:
+        return "(deleted)"
+    name = getattr(obj, "__qualname__", None) or type(obj).__name__
+    return f"{name} at {id(obj):#x}"
+
+
+def _same_objects(a: list, b: list) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects (by identity: ``==`` on dicts compares the
+    tensors in them by value)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def autocast_state() -> tuple:

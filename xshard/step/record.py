@@ -221,23 +221,27 @@ class Recording:
 
     @staticmethod
     def _record_sizes(program: Program, roots) -> None:
-        # Hooks run only while the step is recorded: one registered or removed since makes
-        # another program.
+        # Hooks run only while the step is recorded: one registered, removed or replaced since
+        # makes another program; so does a submodule replaced (see [Note: what the step
+        # reaches]).
         for m in program.flag_modules:
             name = type(m).__name__
             for kind in _MODULE_DICTS:
                 program.sized.append(getattr(m, kind))
                 program.size_names.append(f"{kind[1:].replace('_', ' ')} of a {name}")
+            program.sized.append(m.__dict__)  # an attribute added (``m.forward = ...``)
+            program.size_names.append(f"attributes of a {name}")
+            for kind in _MODULE_HELD:
+                program.hold(getattr(m, kind), f"{kind[1:].replace('_', ' ')} of a {name}")
         for kind in _GLOBAL_HOOKS:
-            program.sized.append(getattr(torch.nn.modules.module, kind))
-            program.size_names.append(f"global module hooks ({kind[8:].replace('_', ' ')})")
+            program.hold(getattr(torch.nn.modules.module, kind),
+                         f"global module hooks ({kind[8:].replace('_', ' ')})")
         for opt in roots.optimizers:
             program.sized.append(opt.state)
             program.size_names.append(f"parameters with state in a {type(opt).__name__}")
             for g, group in enumerate(opt.param_groups):
-                program.sized.append(group["params"])
-                program.size_names.append(f"parameters in param group {g} of a "
-                                          f"{type(opt).__name__}")
+                program.hold(group["params"],
+                             f"parameters in param group {g} of a {type(opt).__name__}")
             for p, per_param in opt.state.items():
                 program.sized.append(per_param)
                 program.size_names.append(f"state entries of a parameter in a "
@@ -570,9 +574,11 @@ def _held_elsewhere(wrapped) -> set:
     return held
 
 
-# The dicts of a module whose sizes are part of the form of the state a step was recorded for.
-_MODULE_DICTS = ("_parameters", "_buffers", "_modules", "_forward_pre_hooks", "_forward_hooks",
-                 "_backward_pre_hooks", "_backward_hooks")
+# The dicts of a module whose sizes are part of the form of the state a step was recorded for, and
+# those whose entries must be the same objects.
+_MODULE_DICTS = ("_parameters", "_buffers")
+_MODULE_HELD = ("_modules", "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                "_backward_hooks")
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
                  "_global_backward_pre_hooks", "_global_backward_hooks")
 
@@ -583,16 +589,35 @@ _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
 def _record_settings(program: Program, roots) -> None:
     """The Python settings the program has built in, as the step left them: the modules'
     (``self.scale = 0.5``, ``dropout.p``, ``eps``), and those the step function reads from its
-    closure and globals. The guard compares them on every call."""
+    closure and globals. The guard compares them on every call, and the other objects the step
+    reached that way by identity (see [Note: what the step reaches])."""
     for m in program.flag_modules:
         d = m.__dict__
         for k, v in d.items():
-            if k not in _MODULE_INTERNALS and (v is None or st.is_setting(v)):
+            if k in _MODULE_INTERNALS or isinstance(v, torch.Tensor):
+                continue
+            if v is None or st.is_setting(v):
                 program.settings.append((d, k))
                 program.setting_values.append(v)
                 program.setting_names.append(f"{type(m).__name__}.{k}")
+            else:
+                program.bind(d, k, f"{type(m).__name__}.{k}")
     for container, key, name in roots.settings:
         program.settings.append((container, key))
         program.setting_values.append(container.get(key, None))
         program.setting_names.append(name)
     program.setting_types = [type(v) for v in program.setting_values]
+    for container, key, name in roots.bindings:
+        program.bind(container, key, name)
+
+
+# [Note: what the step reaches]
+# A replay runs none of the step's Python, so it runs with the objects the recording found: the
+# model its closure or a global named, the trainer attribute ``self.model``, a submodule
+# (``model[1]``), a module's ``self.act = torch.relu``, the parameter objects the optimizer holds,
+# each hook. Each such reference is compared by identity on every call (a list of ``is`` checks):
+# ``model = Net()`` after the step was compiled, ``model[1] = nn.Tanh()``, a new ``nn.Parameter``
+# in place of one, a hook replaced, each records the step again. What the objects hold is
+# compared only where it is state (tensors, by slot) or a setting (by value); a change inside
+# another object (a list the step reads, a helper's attribute) is not seen: pass such values as
+# arguments.

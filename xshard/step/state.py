@@ -40,6 +40,9 @@ class Slot:
         it may be used."""
         return self.get
 
+    def forget(self) -> None:
+        """Drops the lookups ``get`` keeps (the optimizers' state dicts were replaced)."""
+
     def __repr__(self):
         return self.name
 
@@ -92,7 +95,8 @@ class OptimizerStateSlot(Slot):
 
     def _lookup(self):
         # opt.state is keyed by parameters, whose __hash__ is Python code: look the parameter's
-        # dict up once per opt.state object (load_state_dict makes a new one).
+        # dict up once per opt.state object (load_state_dict makes a new one), and again after
+        # ``forget`` (opt.state.clear() keeps the object and makes new per-parameter dicts).
         state = self.optimizer.state
         if state is not self._state or self._per_param is None:
             self._state, self._per_param = state, state.get(self.param)
@@ -101,6 +105,9 @@ class OptimizerStateSlot(Slot):
     def get(self):
         per_param = self._lookup()
         return None if per_param is None else per_param.get(self.entry)
+
+    def forget(self) -> None:
+        self._state = self._per_param = None
 
     def fast_get(self):
         """Valid while ``optimizer.state`` and the parameter's dict in it are the same objects."""
@@ -185,17 +192,24 @@ class ArgSlot(Slot):
 
 
 class Roots:
-    """The modules, optimizers and loose device tensors a step works on."""
+    """The modules, optimizers and loose device tensors a step works on, and the Python objects
+    and settings it reached them through."""
 
     def __init__(self):
         self.modules: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.cells: list = []  # (closure cell, name) holding a device tensor
-        self.globals: list = []  # (globals dict, name) holding a device tensor
+        # (dict, key, name) holding a device tensor: a module global, an attribute of the object
+        # the step is a method of
+        self.entries: list = []
         self.tensors: list = []  # (device tensor, name) given as state=
         # (container, key, name) of each Python setting the step function reads from its closure
         # or globals: container.get(key, default) reads it (see is_setting)
         self.settings: list = []
+        # (container, key, name) of every other object the step reaches that way (a module, an
+        # optimizer, a function, a trainer): the guard compares them by identity (see [Note: what
+        # the step reaches] in record.py)
+        self.bindings: list = []
         self._seen: set = set()
 
     def add(self, obj, depth: int = 0) -> None:
@@ -213,12 +227,27 @@ class Roots:
         elif isinstance(obj, dict) and depth < 2:
             for item in obj.values():
                 self.add(item, depth + 1)
-        elif depth == 0 and hasattr(obj, "__dict__") and not isinstance(
-                obj, (type, types.ModuleType, types.FunctionType, torch.Tensor)):
+        elif depth == 0 and _has_attributes(obj):
             # An object the step is a method of (a trainer): its attributes, one level down.
             self._seen.add(id(obj))
-            for item in list(vars(obj).values()):
-                self.add(item, depth + 1)
+            for name, item in list(vars(obj).items()):
+                if api.is_device_tensor(item):
+                    self.entries.append((vars(obj), name, f"{type(obj).__name__}.{name}"))
+                else:
+                    self.add(item, depth + 1)
+
+    def reach(self, container, key, value, name: str) -> None:
+        """``value``, read by the step from ``container.get(key)``: a setting the guard compares
+        by value, or an object it compares by identity."""
+        if is_setting(value):
+            self.settings.append((container, key, name))
+        else:
+            self.bindings.append((container, key, name))
+
+
+def _has_attributes(obj) -> bool:
+    return hasattr(obj, "__dict__") and not isinstance(
+        obj, (type, types.ModuleType, types.FunctionType, torch.Tensor))
 
 
 def find_roots(fn, extra=()) -> Roots:
@@ -231,6 +260,16 @@ def find_roots(fn, extra=()) -> Roots:
             roots.add(obj)
     seen_fns: set = set()
 
+    def attributes(obj, code) -> None:
+        # What the code names of the object it is a method of (``self.model``, ``self.scale``).
+        if code is None or not _has_attributes(obj) or isinstance(
+                obj, (nn.Module, torch.optim.Optimizer)):
+            return
+        d = vars(obj)
+        for name in sorted(_global_names(code) & d.keys()):
+            if not api.is_device_tensor(d[name]):
+                roots.reach(d, name, d[name], f"{type(obj).__name__}.{name}")
+
     def visit(f):
         if id(f) in seen_fns:
             return
@@ -242,6 +281,7 @@ def find_roots(fn, extra=()) -> Roots:
             return
         if isinstance(f, types.MethodType):
             roots.add(f.__self__)
+            attributes(f.__self__, getattr(f.__func__, "__code__", None))
             visit(f.__func__)
             return
         if isinstance(f, nn.Module):
@@ -252,6 +292,7 @@ def find_roots(fn, extra=()) -> Roots:
             call = getattr(type(f), "__call__", None)
             if call is not None and not isinstance(f, type):
                 roots.add(f)
+                attributes(f, getattr(call, "__code__", None))
             return
         for name, cell in zip(code.co_freevars, f.__closure__ or ()):
             try:
@@ -260,26 +301,26 @@ def find_roots(fn, extra=()) -> Roots:
                 continue
             if api.is_device_tensor(value):
                 roots.cells.append((cell, name))
-            elif callable(value) and isinstance(value, (types.FunctionType, functools.partial)):
+                continue
+            roots.reach(_CellReader(cell), None, value, f"closure variable {name!r}")
+            if callable(value) and isinstance(value, (types.FunctionType, functools.partial)):
                 visit(value)
-            elif is_setting(value):
-                roots.settings.append((_CellReader(cell), None, f"closure variable {name!r}"))
-            else:
+            elif not is_setting(value):
                 roots.add(value, depth=1)
         module_globals = getattr(f, "__globals__", {})
         loaded = _loaded_globals(code)
-        for name in _global_names(code):
+        for name in sorted(_global_names(code)):
             value = module_globals.get(name)
             if value is None:
                 continue
             if api.is_device_tensor(value):
-                roots.globals.append((module_globals, name))
-            elif is_setting(value):
-                # Only a name the code loads as a global: ``opt.step()`` does not read a global
-                # ``step`` (a loop counter).
-                if name in loaded:
-                    roots.settings.append((module_globals, name, f"global {name!r}"))
-            elif isinstance(value, (nn.Module, torch.optim.Optimizer)):
+                roots.entries.append((module_globals, name, name))
+                continue
+            # Only a name the code loads as a global: ``opt.step()`` does not read a global
+            # ``step`` (a loop counter).
+            if name in loaded:
+                roots.reach(module_globals, name, value, f"global {name!r}")
+            if isinstance(value, (nn.Module, torch.optim.Optimizer)):
                 roots.add(value)
             elif isinstance(value, types.FunctionType) and value.__module__ == f.__module__:
                 visit(value)
@@ -367,8 +408,8 @@ def state_slots(roots: Roots) -> list[Slot]:
         slots.append(HeldSlot(("held", id(t)), name, t))
         if t.requires_grad and id(t) not in params:
             params[id(t)] = (t, name)
-    for mapping, name in roots.globals:
-        slots.append(DictSlot(("global", id(mapping), name), name, mapping, name))
+    for mapping, key, name in roots.entries:
+        slots.append(DictSlot(("entry", id(mapping), key), name, mapping, key))
     for p, name in params.values():
         slots.append(GradSlot(("grad", id(p)), f"{name}.grad", p))
     for o, opt in enumerate(roots.optimizers):

@@ -1,0 +1,186 @@
+"""Objects a compiled step reaches, replaced between calls: the model its closure, a global or a
+trainer attribute names, a submodule, a module's function attribute, a parameter object, a hook,
+the optimizer's state. Each compiled call computes what eager CPU PyTorch does (see [Note: what the
+step reaches] in xshard/step/record.py). Before, each case replayed the objects of the recording:
+a silent wrong answer."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import xshard
+from compile_testing import DEV, MLP, make_batches
+
+
+def _make(device, seed=0):
+    torch.manual_seed(seed)
+    model = MLP().to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _train(model, opt, x, y):
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+class _Trainer:
+    def __init__(self, device):
+        self.model, self.opt = _make(device)
+
+    def step(self, x, y):
+        return _train(self.model, self.opt, x, y)
+
+
+G_MODEL = G_OPT = None  # the global case's model and optimizer
+
+
+def _global_step(x, y):
+    return _train(G_MODEL, G_OPT, x, y)
+
+
+def _run(device, compiled, case):
+    """Four steps; before the third, ``case`` replaces one object. Returns the losses, the
+    parameters of the model trained last, and the compiled step."""
+    global G_MODEL, G_OPT
+    model, opt = _make(device)
+    trainer = _Trainer(device)
+    G_MODEL, G_OPT = model, opt
+    act = torch.tanh
+    hook = model.fc1.register_forward_hook(lambda m, args, out: out * 2)
+
+    def closure_step(x, y):
+        return _train(model, opt, x, y)
+
+    def act_step(x, y):
+        loss = act(model.fc1(x)).sum() + model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    fn = {"closure model": closure_step, "global model": _global_step,
+          "trainer attribute": trainer.step, "closure function": act_step}.get(case, closure_step)
+    step = xshard.compile(fn) if compiled else fn
+    losses = []
+    for i, (x, y) in enumerate(make_batches("mlp", 4)):
+        if i == 2:
+            if case == "closure model":
+                model, opt = _make(device, seed=1)
+            elif case == "global model":
+                G_MODEL, G_OPT = _make(device, seed=1)
+            elif case == "trainer attribute":
+                trainer.model, trainer.opt = _make(device, seed=1)
+            elif case == "closure function":
+                act = torch.sigmoid
+            elif case == "submodule":
+                model.fc1 = nn.Linear(8, 16).to(device)  # new, untrained by opt
+            elif case == "module function attribute":
+                model.fc1.forward = lambda x: torch.relu(nn.Linear.forward(model.fc1, x))
+            elif case == "parameter object":
+                model.fc2.bias = nn.Parameter(torch.ones(4).to(device))  # not in opt
+            elif case == "hook replaced":
+                hook.remove()
+                hook = model.fc1.register_forward_hook(lambda m, args, out: out * 3)
+        losses.append(step(x.to(device), y.to(device)).item())
+    trained = {"global model": G_MODEL, "trainer attribute": trainer.model}.get(case, model)
+    return losses, [p.detach().cpu() for p in trained.parameters()], step
+
+
+_CASES = {
+    "closure model": "closure variable 'model' is another object",
+    "global model": "global 'G_MODEL' is another object",
+    "trainer attribute": "_Trainer.model is another object",
+    "closure function": "closure variable 'act' is another object",
+    "submodule": "modules of a MLP, entry 'fc1'",
+    "module function attribute": "number of attributes of a Linear",
+    "parameter object": "model.fc2.bias is another tensor object",
+    "hook replaced": "forward hooks of a Linear, entry",
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_objects_the_step_reaches_replaced_between_calls(case):
+    cpu, dev = _run("cpu", False, case), _run(DEV, True, case)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    assert len(dev[1]) == len(cpu[1])
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    step = dev[2]
+    # A new parameter the optimizer does not hold keeps its gradient: the next call finds one
+    # where the step was recorded with None, and records again.
+    assert step.traces == (3 if case in ("submodule", "parameter object") else 2), \
+        step.retrace_reasons
+    assert _CASES[case] in step.retrace_reasons[0], step.retrace_reasons
+
+
+@pytest.mark.parametrize("change", ["state.clear()", "load_state_dict"])
+def test_optimizer_state_cleared_or_loaded_between_calls(change):
+    """``opt.state.clear()`` keeps the dict and makes new per-parameter dicts on the next step:
+    the replay wrote into the old ones (Adam's state stayed where the clear left it). A loaded
+    state dict made the guard compare its tensors with ``==`` (a RuntimeError)."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        fn = lambda x, y: _train(model, opt, x, y)  # noqa: E731
+        step = xshard.compile(fn) if compiled else fn
+        losses = []
+        for i, (x, y) in enumerate(make_batches("mlp", 6)):
+            if i == 3:
+                if change == "state.clear()":
+                    opt.state.clear()
+                else:
+                    state = copy.deepcopy(opt.state_dict())
+                    for s in state["state"].values():
+                        s["exp_avg"] = s["exp_avg"].cpu() * 0.5
+                    opt.load_state_dict(state)
+            losses.append(step(x.to(device), y.to(device)).item())
+        state = [{k: v.cpu() for k, v in s.items()} for s in opt.state.values()]
+        return losses, [p.detach().cpu() for p in model.parameters()], state
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[2], dev[2]):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+
+
+class _Accumulating:
+    """A trainer whose device tensors are attributes: a scale it reads, a total it updates."""
+
+    def __init__(self, device):
+        self.model, self.opt = _make(device)
+        self.scale = torch.tensor(2.0).to(device)
+        self.total = torch.zeros(()).to(device)
+
+    def step(self, x, y):
+        loss = _train(self.model, self.opt, x, y) * self.scale
+        self.total += loss.detach()
+        return loss
+
+
+def test_trainer_tensor_attributes_are_state():
+    """A device tensor attribute of the object the step is a method of is state, as a closure
+    variable is: updated in place by each call, and read anew when replaced."""
+    def run(device, compiled):
+        trainer = _Accumulating(device)
+        step = xshard.compile(trainer.step) if compiled else trainer.step
+        losses = []
+        for i, (x, y) in enumerate(make_batches("mlp", 4)):
+            if i == 2:
+                trainer.scale = torch.tensor(3.0).to(device)
+            losses.append(step(x.to(device), y.to(device)).item())
+        return losses, trainer.total.cpu(), step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dev[1], cpu[1], rtol=1e-5, atol=1e-6)
+    assert dev[2].traces == 1
