@@ -561,3 +561,34 @@ def test_nextafter_steps_in_its_own_dtype():
     x = torch.tensor([-1.0, -0.0, 1.0, 3.5], dtype=torch.bfloat16)
     check_eager(lambda v: (torch.nextafter(v, torch.zeros_like(v)),
                            torch.nextafter(v, torch.full_like(v, 9.0))), x, rtol=0, atol=0)
+
+
+def test_avg_pool_of_16_bit_floats_sums_in_float32():
+    """Summed in bfloat16, an 18-element window's mean was off by 5%."""
+    x = torch.tensor([[[[3.765625, -5.8125, -1.0, -6.78125, 8.375, 4.84375],
+                        [0.494140625, 2.390625, -7.375, -4.8125, 4.09375, -6.875],
+                        [0.55859375, 2.609375, 4.0, -1.0546875, -2.453125, 6.875]]]])
+    for dtype in (torch.bfloat16, torch.float16):
+        check_eager(lambda v: (torch.nn.functional.avg_pool2d(v, (3, 6), 1),
+                               torch.nn.functional.avg_pool2d(v, 2, 1, 1, True, False),
+                               torch.nn.functional.avg_pool2d(v, 2, 1, 1, divisor_override=3)),
+                    x.to(dtype), rtol=0, atol=0)
+
+
+def test_dropout_backward_promotes_and_signs_as_aten():
+    """An integer gradient times a Python scale is float32 (it was truncated to uint8), and a
+    dropped element times a negative scale is -0.0."""
+    grad = torch.tensor([1, 0, 1, 1, 1], dtype=torch.uint8)
+    mask = torch.tensor([False, False, True, True, True])
+
+    def program(g, m):
+        out = torch.ops.aten.native_dropout_backward(g, m, -0.5)
+        return out, torch.signbit(out), torch.ops.aten.native_dropout_backward(m, m, 2.0)
+
+    check_eager(program, grad, mask, rtol=0, atol=0)
+
+
+def test_spherical_bessel_j0_at_infinity_is_zero():
+    inf = float("inf")
+    check_eager(torch.special.spherical_bessel_j0,
+                torch.tensor([inf, -inf, 1e30, float("nan"), 0.0, 1.0]))

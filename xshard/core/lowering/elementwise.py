@@ -271,8 +271,9 @@ def _bessel_i1(x):
 @rule(torch.ops.prims.spherical_bessel_j0.default)
 def _spherical_bessel_j0(x):
     x = _float_like(x)
-    safe = jnp.where(x == 0, jnp.ones((), x.dtype), x)
-    return jnp.where(x == 0, jnp.ones((), x.dtype), jnp.sin(safe) / safe)
+    safe = jnp.where((x == 0) | jnp.isinf(x), jnp.ones((), x.dtype), x)
+    out = jnp.where(x == 0, jnp.ones((), x.dtype), jnp.sin(safe) / safe)
+    return jnp.where(jnp.isinf(x), jnp.zeros((), x.dtype), out)  # sin(x) / x -> 0
 
 
 @rule(aten.gcd, torch.ops.prims.gcd.default)

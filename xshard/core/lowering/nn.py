@@ -271,6 +271,9 @@ def _avg_pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_inclu
     nd = len(kernel_size) if isinstance(kernel_size, (list, tuple)) and len(kernel_size) > 1 \
         else (2 if x.ndim in (3, 4) else 3)
     kernel, stride, padding, _ = _norm_pool_args(nd, kernel_size, stride, padding)
+    dtype = x.dtype
+    if dtype in (jnp.bfloat16, jnp.float16):  # summed and divided in float32, as ATen does
+        x = x.astype(jnp.float32)
     lead = x.ndim - nd
     pads = _pool_pads(x.shape[-nd:], kernel, stride, padding, (1,) * nd, ceil_mode)
     window = (1,) * lead + kernel
@@ -279,7 +282,7 @@ def _avg_pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_inclu
     # A concrete (numpy) zero: lax.reduce_window then recognises a sum, which JAX can differentiate.
     total = lax.reduce_window(x, np.zeros((), x.dtype), lax.add, window, strides, full_pads)
     if divisor_override:
-        return total / divisor_override
+        return (total / divisor_override).astype(dtype)
     if count_include_pad:
         # Count window cells inside the input padded by `padding` (not the ceil-mode extra).
         ones = jnp.ones(x.shape[-nd:], x.dtype)
@@ -290,7 +293,7 @@ def _avg_pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_inclu
     else:
         ones = jnp.ones(x.shape[-nd:], x.dtype)
         counts = lax.reduce_window(ones, jnp.zeros((), x.dtype), lax.add, kernel, stride, pads)
-    return total / counts
+    return (total / counts).astype(dtype)
 
 
 @rule(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)

@@ -132,6 +132,7 @@ def _native_dropout(x, p, train=True, _key=None):
 
 @rule(aten.native_dropout_backward)
 def _native_dropout_backward(grad, mask, scale):
-    if grad.dtype == np.bool_:  # computed in float, then cast back (as ATen does)
-        grad = grad.astype(np.float32)
-    return jnp.where(mask, grad * jnp.asarray(scale, grad.dtype), jnp.zeros((), grad.dtype))
+    # ATen's grad * mask * scale: promoted with the Python float (an integer gradient gives
+    # float32), a dropped element times a negative scale is -0.0.
+    grad = promote(grad, scale)[0]
+    return grad * mask.astype(grad.dtype) * jnp.asarray(scale, grad.dtype)
