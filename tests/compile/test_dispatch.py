@@ -70,6 +70,48 @@ def test_compiled_loop_still_donates_its_state(monkeypatch):
     assert step._last.donated and not copies  # no input copied because the queue holds it
 
 
+def test_an_evaluation_step_keeps_no_copy_of_the_model(monkeypatch):
+    """A second compiled step on the same model (evaluation, every other call) held the data it
+    last read, so a copy of every parameter stayed alive between its calls and the training step
+    copied them instead of consuming them (see [Note: donation of replayed state])."""
+    import gc
+
+    import jax
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(x):
+        return model(x).pow(2).mean()
+
+    train_step, eval_step = xshard.compile(train), xshard.compile(evaluate)
+    x = torch.randn(4, 256).to(DEV)
+    train_step(x), train_step(x), eval_step(x)
+    copies = []
+    real_copy = program_module._copy
+    monkeypatch.setattr(program_module, "_copy", lambda a: copies.append(a) or real_copy(a))
+    params = sum(p.numel() * 4 for p in model.parameters())
+    for i in range(4):
+        train_step(x)
+        xshard.wait()
+        gc.collect()
+        live = sum(a.nbytes for a in jax.live_arrays())
+        assert live < 1.5 * params, (i, live, params)
+        if i % 2:
+            eval_step(x)
+    assert not copies
+    assert train_step.traces == eval_step.traces == 1
+
+
 def test_each_update_reuses_the_buffer_of_the_state_it_replaces():
     # XLA pairs donated buffers with outputs by size; a parameter's update given another
     # parameter's buffer makes it copy both (see [Note: inputs in the order of the outputs that

@@ -28,7 +28,7 @@ __all__ = ["XTensor", "DEVICE_TYPE", "is_device_tensor", "value", "write", "is_v
            "settled", "storage_data", "array", "sync", "evaluate", "to_cpu", "upload", "data_node",
            "data_node_maker", "constrain", "default_sharding", "error", "relayout",
            "upload_annotated", "pad_host", "crop_host", "pad_node", "crop_node", "storage_value",
-           "write_storage", "live_storages", "pending_storages", "quarantine", "executable",
+           "storage_version", "write_storage", "live_storages", "pending_storages", "quarantine", "executable",
            "placed"]
 
 
@@ -201,8 +201,9 @@ crop_node = padding.crop_node
 
 
 # storage_value(storage): the IR node a storage (``storage(t)``) holds, its base tensor's value
-# (an attrgetter, as ``storage``).
+# (an attrgetter, as ``storage``); storage_version(storage): how many times it was written.
 storage_value = operator.attrgetter("value")
+storage_version = operator.attrgetter("version")
 
 
 def write_storage(storage, node: ir.Node) -> None:

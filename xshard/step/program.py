@@ -34,7 +34,10 @@ A program consumes (donates) the arrays of the state it overwrites, as a lazy sy
 no live tensor holds. Between calls those arrays are held by the storages the program wrote them to,
 and by nothing else, unless the user made another tensor hold one (``ema.copy_(p)`` shares p's data
 node) or left pending work reading one. Both show as references beyond those counted when the
-program wrote the array, so such an input is passed as a fresh copy instead.
+program wrote the array, so such an input is passed as a fresh copy instead. The program itself
+holds no data node: it knows each input's storage by its write counter. (It held the node it last
+wrote there, so a second compiled step on the same model, an evaluation step, kept a copy of every
+parameter alive between its calls, and the training step then copied them instead of consuming.)
 """
 
 from __future__ import annotations
@@ -207,7 +210,10 @@ class Program:
         self.expect: list = []
         self.storage: list = []
         self.source: list = []  # per slot, the storage of the tensor there (view or base)
-        self.expect_node: list = []
+        # Per input slot, the version of its storage when the program last saw it (None for the
+        # other slots): the program keeps no data node alive (see [Note: donation of replayed
+        # state]).
+        self.expect_version: list = []
         self.inputs: list = []  # per executable input: (kind, a, b)
         self.writes: list[Write] = []
         # Per output, after the first call: (position, node maker, (slot, Write) per slot).
@@ -275,12 +281,12 @@ class Program:
         tensor = api.is_device_tensor(obj)
         self.source[i] = api.storage(obj) if tensor else None
         self.storage[i] = self.source[i] if tensor and not api.is_view(obj) else None
-        if self.expect_node[i] is not None and tensor:  # an input: the node it is read from
-            self.expect_node[i] = api.storage_value(self.source[i])
+        if self.expect_version[i] is not None and tensor:  # an input: the data it reads
+            self.expect_version[i] = api.storage_version(self.source[i])
 
     def measure_refs(self) -> None:
         for _, i in self.donated:
-            node = self.expect_node[i]
+            node = api.storage_value(self.source[i])
             # run() counts with ``node`` a local variable, as here.
             self.base_refs[i] = (sys.getrefcount(node), sys.getrefcount(node.payload))
 
@@ -325,9 +331,9 @@ class Program:
                 slot.forget()
         if getters is None:
             getters = [self.slots[i].get for i in self.guarded]
-        expect, expect_node, source = self.expect, self.expect_node, self.source
+        expect, expect_version, source = self.expect, self.expect_version, self.source
         requires_grad = self.requires_grad
-        value, storage = api.storage_value, api.storage
+        version, storage = api.storage_version, api.storage
         stale = None
         for i, get in zip(self.guarded, getters):
             obj = get()
@@ -338,8 +344,8 @@ class Program:
                 # The same tensor, still on the same storage (``t.data = other`` moves it) and
                 # still (not) requiring grad (``requires_grad_(False)`` freezes a parameter).
                 if storage(obj) is cell and obj.requires_grad is requires_grad[i]:
-                    node = expect_node[i]
-                    if node is None or value(cell) is node:
+                    written = expect_version[i]
+                    if written is None or version(cell) == written:
                         continue
             if stale is None:
                 stale = []
@@ -444,20 +450,20 @@ class Program:
     # -- running
 
     def run(self, args):
-        expect_node, slots = self.expect_node, self.slots
+        source, slots, value = self.source, self.slots, api.storage_value
         getrefcount = sys.getrefcount
         fresh = None
         for position, i in self.donated:  # before ``values`` holds the arrays too
-            node = expect_node[i]
+            node = value(source[i])
             base = self.base_refs[i]
             if getrefcount(node) != base[0] or getrefcount(node.payload) != base[1]:
                 fresh = (fresh or []) + [position]
         values = list(self.constant_values)
         for position, i in self.state_inputs:
-            values[position] = expect_node[i].payload
+            values[position] = value(source[i]).payload
         for kind, position, a, b in self.other_inputs:
             if kind == "arg":
-                values[position] = api.storage_value(api.storage(slots[a].get())).payload
+                values[position] = value(api.storage(slots[a].get())).payload
             elif kind == "lr":
                 values[position] = a.array()
             else:  # a Python number
@@ -523,8 +529,8 @@ class Program:
             results = list(results)
             for position in self.placement:
                 results[position] = api.placed(results[position])
-        slots, storage, expect_node = self.slots, self.storage, self.expect_node
-        write = api.write_data
+        slots, storage, expect_version = self.slots, self.storage, self.expect_version
+        write, version = api.write_data, api.storage_version
         plan = self.write_plan
         if plan is None:  # the recording call: each Write makes its node maker from the array
             nodes = {}  # one data node per output, however many slots it goes to
@@ -540,8 +546,8 @@ class Program:
                     target = storage[i]
                     if target is not None:  # the guard saw the object the program left there
                         write(target, node)
-                        if expect_node[i] is not None:
-                            expect_node[i] = node
+                        if expect_version[i] is not None:
+                            expect_version[i] = version(target)
                     else:
                         self._store(w, node)
         for i in self.clears:
@@ -576,8 +582,8 @@ class Program:
                 api.set_annotation(arg, w.annotation)
         if target is not None:  # the guard saw the object the program left there
             api.write_data(target, node)
-            if self.expect_node[i] is not None:
-                self.expect_node[i] = node
+            if self.expect_version[i] is not None:
+                self.expect_version[i] = api.storage_version(target)
         else:  # a slot the step fills with a new tensor
             obj = api.new_tensor(node, w.annotation)
             slots[i].set(obj)

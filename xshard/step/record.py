@@ -487,10 +487,10 @@ class Recording:
                 api.write_storage(storage, node)
         n = len(slots)
         program.expect, program.storage = [None] * n, [None] * n
-        program.source, program.expect_node = [None] * n, [None] * n
+        program.source, program.expect_version = [None] * n, [None] * n
         for kind, i, _ in program.inputs:
             if kind == "state":
-                program.expect_node[i] = True  # an input: adopt() fills in the node
+                program.expect_version[i] = -1  # an input: adopt() fills in the version
         for i, obj in enumerate(exits):
             if not isinstance(slots[i], st.ArgSlot):
                 program.adopt(i, obj)
