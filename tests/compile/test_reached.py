@@ -5,6 +5,7 @@ step reaches] in xshard/step/record.py). Before, each case replayed the objects 
 a silent wrong answer."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -184,3 +185,45 @@ def test_trainer_tensor_attributes_are_state():
     torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dev[1], cpu[1], rtol=1e-5, atol=1e-6)
     assert dev[2].traces == 1
+
+
+@pytest.mark.parametrize("where", ["host tensor lr", "device tensor lr", "tensor in a list"])
+def test_tensors_outside_the_state_changed_in_place(where):
+    """A learning rate given as a tensor and changed in place (the replay kept the old rate), and
+    a device tensor the step reads from a list (built in as a constant: a change to it records the
+    step again; before, the replay kept its old value)."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        lr = torch.tensor(0.1)
+        if where == "device tensor lr":
+            lr = lr.to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=lr if "lr" in where else 0.1)
+        weights = [torch.ones(4).to(device)]
+
+        def train_step(x, y):
+            loss = model(x, y) * weights[0].sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        step = xshard.compile(train_step) if compiled else train_step
+        losses = []
+        for i, (x, y) in enumerate(make_batches("mlp", 4)):
+            if i == 2:
+                changed = lr if "lr" in where else weights[0]
+                changed.fill_(0.05)
+            losses.append(step(x.to(device), y.to(device)).item())
+        return losses, [p.detach().cpu() for p in model.parameters()], step
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the built-in tensor's warning
+        cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    if where == "host tensor lr":
+        assert dev[2].traces == 1  # read on every call
+    else:
+        assert dev[2].traces == 2 and "reads as a constant" in dev[2].retrace_reasons[0]

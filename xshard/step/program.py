@@ -152,19 +152,21 @@ def difference(name: str, old, new) -> str:
 class Rate:
     """A group's learning rate as the program's input: placed on the devices once per value."""
 
-    __slots__ = ("groups", "group", "dtype", "sharding", "value", "placed")
+    __slots__ = ("groups", "group", "dtype", "sharding", "value", "version", "placed")
 
     def __init__(self, optimizer, group, dtype, sharding):
         self.groups, self.group = optimizer.param_groups, group
         self.dtype, self.sharding = dtype, sharding
-        self.value = self.placed = None
+        self.value = self.version = self.placed = None
 
     def array(self):
         lr = self.groups[self.group]["lr"]
-        if lr is not self.value:
+        # A tensor rate may be changed in place (``lr.fill_(0.05)``): its version says so.
+        if lr is not self.value or (self.version is not None and lr._version != self.version):
             self.placed = arrays.put(np.asarray(optim_support.host_rate(lr), self.dtype),
                                      self.sharding, "a learning rate")
             self.value = lr
+            self.version = lr._version if isinstance(lr, torch.Tensor) else None
         return self.placed
 
     def host(self) -> float:
@@ -260,6 +262,8 @@ class Program:
         self.held: list = []  # the entries (a dict's values view, or the list itself)
         self.held_values: list = []  # all of them, flat
         self.held_names: list = []  # (name, how many entries it had)
+        # (weak reference, version, shape) of each storage holding data the program built in
+        self.constant_storages: list = []
         # Slots holding a parameter when the step was recorded: slot -> that parameter. Its
         # gradient and optimizer state were found through the object, so another one there is
         # another program.
@@ -318,6 +322,11 @@ class Program:
         if self.held and not _same_objects(list(chain.from_iterable(self.held)),
                                            self.held_values):
             return self._held_difference()
+        for ref, written, shape in self.constant_storages:
+            storage = ref()
+            if storage is not None and api.storage_version(storage) != written:
+                return (f"a device tensor{list(shape)} the step reads as a constant (not an "
+                        f"argument, parameter, buffer or optimizer state) was written")
         if [len(d) for d in self.sized] != self.sizes:
             for d, n, name in zip(self.sized, self.sizes, self.size_names):
                 if len(d) != n:

@@ -40,6 +40,7 @@ position, so a compiled step and the lazy path draw the same masks, every call d
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -536,10 +537,25 @@ class Recording:
             warnings.warn(
                 f"xshard.compile({self.compiled.name}): the step reads {len(constants)} device "
                 f"tensor(s) that are not arguments, parameters, buffers or optimizer state "
-                f"(shapes {shapes}); their current values are built into the compiled step. Pass "
-                f"them as arguments, or register them as buffers, if they change.",
-                stacklevel=user_stacklevel())
+                f"(shapes {shapes}); their current values are built into the compiled step, "
+                f"which is recorded again when one is changed. Pass them as arguments, or "
+                f"register them as buffers, if they change.", stacklevel=user_stacklevel())
         program.inputs = inputs
+        _guard_constants(program, graph)
+
+
+def _guard_constants(program: Program, graph) -> None:
+    """The storages that hold device data the program has built in (a tensor in a list, an
+    optimizer's device-tensor learning rate): each call checks that none was written since."""
+    built_in = {id(node) for (kind, _, _), node in zip(program.inputs, graph.inputs)
+                if kind == "constant" and node.op is ir.DATA}
+    if not built_in:
+        return
+    for storage in api.live_storages():
+        node = api.storage_value(storage)
+        if id(node) in built_in:
+            program.constant_storages.append(
+                (weakref.ref(storage), api.storage_version(storage), tuple(node.shape)))
 
 
 def _random_inputs(graph, stream, name: str) -> dict:
