@@ -352,9 +352,25 @@ def _softmax(x, dim, half_to_float=False):
 
 
 @rule(aten._log_softmax)
-@in_float32
 def _log_softmax(x, dim, half_to_float=False):
+    if x.dtype in HALF_FLOATS and not half_to_float and (x.ndim == 0 or dim % x.ndim == x.ndim - 1):
+        return _along(_log_softmax_16_last, x, -1)
+    return in_float32(_log_softmax_float)(x, dim, half_to_float)
+
+
+def _log_softmax_float(x, dim, half_to_float):
     return _along(jax.nn.log_softmax, x.astype(np.float32) if half_to_float else x, dim)
+
+
+def _log_softmax_16_last(x, axis):
+    """ATen's CPU kernel along the last dimension of a 16-bit tensor: (x - max) - log(sum) in
+    float32, with the sum of exponentials and its log each kept in the 16-bit dtype (so a logit
+    far above the others has log-probability 0, not -2e-3)."""
+    half = x.dtype
+    xf = x.astype(np.float32)
+    shifted = xf - jnp.max(xf, axis=axis, keepdims=True)
+    total = jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True).astype(half).astype(np.float32)
+    return (shifted - jnp.log(total).astype(half).astype(np.float32)).astype(half)
 
 
 @rule(aten._softmax_backward_data)
