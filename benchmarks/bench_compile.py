@@ -20,6 +20,10 @@ Layouts (8 devices):
   and ``..._in_backward`` False): XLA schedules the gathers freely, as it does for the JAX program,
   at the cost of gathered parameters alive at once (see [Note: FSDP without barriers] in
   xshard/fsdp/fully_shard.py);
+- ``fsdp-keep``: FSDP with its barriers and ``reshard_after_forward=False``: each unit's gathered
+  parameters are kept from its forward to its backward instead of gathered again, as XLA does for
+  the JAX program (it gathers each parameter once per step), at the cost of every unit's gathered
+  parameters alive from forward to backward;
 - ``2d``: a (data 4, model 2) mesh: the batch split over ``data``; each block's ``qkv`` and
   ``mlp.fc`` split by rows and its ``attn.proj`` and ``mlp.proj`` by columns over ``model``
   (Megatron-style); xshard annotates them with ``mark_sharding``, JAX places them so; the
@@ -54,7 +58,7 @@ SIZES = {
 }
 
 
-LAYOUTS = ("fsdp", "fsdp-free", "2d")
+LAYOUTS = ("fsdp", "fsdp-free", "fsdp-keep", "2d")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,10 +161,11 @@ class XShardRunner:
         self.params = sum(p.numel() for p in model.parameters())
         dev = xshard.device()
         if mode.startswith("fsdp"):
-            fenced = mode == "fsdp"
+            fenced = mode != "fsdp-free"
             model = FSDP(model, auto_wrap_policy=functools.partial(
                 transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-                optimization_barrier_in_forward=fenced, optimization_barrier_in_backward=fenced)
+                optimization_barrier_in_forward=fenced, optimization_barrier_in_backward=fenced,
+                reshard_after_forward=mode != "fsdp-keep")
             mesh, data_spec = model.mesh, ("fsdp", None)
         else:
             mesh = Mesh(range(8), (4, 2), ("data", "model"))

@@ -12,7 +12,7 @@ def test_compiled_step_matches_jax_in_every_layout():
     args = bench_compile.parse_args(["--model", "tiny", "--steps", "1", "--rounds", "1",
                                      "--warmup", "2", "--lazy"])
     results = bench_compile.main(args)
-    assert [r["mode"] for r in results] == ["fsdp", "fsdp-free", "2d"]
+    assert [r["mode"] for r in results] == ["fsdp", "fsdp-free", "fsdp-keep", "2d"]
     for r in results:
         assert r["max_loss_diff"] < 1e-5, r
         assert r["recordings"] == 2  # the first step creates AdamW's state
