@@ -90,13 +90,18 @@ def train_lazy(model, opt, data, sched=None, place=None):
     return losses
 
 
+def train_update(model, opt, *batch):
+    """One plain training step: forward (the model returns the loss), backward, update."""
+    loss = model(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def compiled_step(model, opt):
     def train_step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+        return train_update(model, opt, x, y)
 
     return xshard.compile(train_step)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import xshard
-from compile_testing import DEV, MLP, make_batches
+from compile_testing import DEV, MLP, make_batches, train_update
 
 
 def _make(device, seed=0):
@@ -21,27 +21,19 @@ def _make(device, seed=0):
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _train(model, opt, x, y):
-    loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 class _Trainer:
     def __init__(self, device):
         self.model, self.opt = _make(device)
 
     def step(self, x, y):
-        return _train(self.model, self.opt, x, y)
+        return train_update(self.model, self.opt, x, y)
 
 
 G_MODEL = G_OPT = None  # the global case's model and optimizer
 
 
 def _global_step(x, y):
-    return _train(G_MODEL, G_OPT, x, y)
+    return train_update(G_MODEL, G_OPT, x, y)
 
 
 def _run(device, compiled, case):
@@ -55,7 +47,7 @@ def _run(device, compiled, case):
     hook = model.fc1.register_forward_hook(lambda m, args, out: out * 2)
 
     def closure_step(x, y):
-        return _train(model, opt, x, y)
+        return train_update(model, opt, x, y)
 
     def act_step(x, y):
         loss = act(model.fc1(x)).sum() + model(x, y)
@@ -128,7 +120,7 @@ def test_optimizer_state_cleared_or_loaded_between_calls(change):
         torch.manual_seed(0)
         model = MLP().to(device)
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        fn = lambda x, y: _train(model, opt, x, y)  # noqa: E731
+        fn = lambda x, y: train_update(model, opt, x, y)  # noqa: E731
         step = xshard.compile(fn) if compiled else fn
         losses = []
         for i, (x, y) in enumerate(make_batches("mlp", 6)):
@@ -163,7 +155,7 @@ class _Accumulating:
         self.total = torch.zeros(()).to(device)
 
     def step(self, x, y):
-        loss = _train(self.model, self.opt, x, y) * self.scale
+        loss = train_update(self.model, self.opt, x, y) * self.scale
         self.total += loss.detach()
         return loss
 

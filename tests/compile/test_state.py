@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import xshard
 import xshard.spmd as xs
-from compile_testing import DEV, MLP, compiled_step, make_batches
+from compile_testing import DEV, MLP, compiled_step, make_batches, train_update
 from xshard.mesh import Mesh
 
 
@@ -163,21 +163,14 @@ def test_state_found_from_arguments_or_closure(where):
     model = MLP().to(DEV)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def from_args(model, opt, x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    step = xshard.compile(from_args)
+    step = xshard.compile(train_update)
     data = make_batches("mlp", 3)
     before = model.fc1.weight.cpu()
     for x, y in data:
         if where == "argument":
             step(model, opt, x.to(DEV), y.to(DEV))
         else:
-            xshard.compile(lambda x, y: from_args(model, opt, x, y))(x.to(DEV), y.to(DEV))
+            xshard.compile(lambda x, y: train_update(model, opt, x, y))(x.to(DEV), y.to(DEV))
     assert not torch.equal(model.fc1.weight.cpu(), before)
 
 
