@@ -219,3 +219,39 @@ def test_tensors_outside_the_state_changed_in_place(where):
         assert dev[2].traces == 1  # read on every call
     else:
         assert dev[2].traces == 2 and "reads as a constant" in dev[2].retrace_reasons[0]
+
+
+@pytest.mark.parametrize("wrap", ["plain", "FSDP"])
+def test_checkpoint_saved_and_loaded_between_calls(wrap, tmp_path):
+    """xshard.checkpoint.save after call 3, load after call 5: the calls after the load continue
+    from the saved state, as eager PyTorch does from a copy of its state dicts."""
+    import xshard.checkpoint as xcp
+    from xshard.fsdp import FSDP
+
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP()
+        model = FSDP(model) if compiled and wrap == "FSDP" else model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        fn = lambda x, y: train_update(model, opt, x, y)  # noqa: E731
+        step = xshard.compile(fn) if compiled else fn
+        losses = []
+        for i, (x, y) in enumerate(make_batches("mlp", 8)):
+            if i == 3:
+                if compiled:
+                    xcp.save({"model": model, "optim": opt}, tmp_path / "ckpt")
+                else:
+                    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+            if i == 5:
+                if compiled:
+                    xcp.load({"model": model, "optim": opt}, tmp_path / "ckpt")
+                else:
+                    model.load_state_dict(saved[0])
+                    opt.load_state_dict(saved[1])
+            losses.append(step(x.to(device), y.to(device)).item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
