@@ -255,3 +255,28 @@ def test_checkpoint_saved_and_loaded_between_calls(wrap, tmp_path):
     torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(cpu[1], dev[1]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_model_and_settings_bound_as_default_arguments():
+    """``def step(x, y, model=model, opt=opt)``: the defaults are state roots (the step raised a
+    StateError: its updates were "kept outside the model"), and a default changed since the
+    recording records the step again."""
+    def run(device, compiled):
+        model, opt = _make(device)
+
+        def train_step(x, y, model=model, opt=opt, *, scale=1.0):
+            return train_update(model, opt, x, y) * scale
+
+        step = xshard.compile(train_step) if compiled else train_step
+        losses = []
+        for i, (x, y) in enumerate(make_batches("mlp", 4)):
+            if i == 2:
+                train_step.__kwdefaults__ = {"scale": 3.0}
+            losses.append(step(x.to(device), y.to(device)).item())
+        return losses, [p.detach().cpu() for p in model.parameters()], step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert dev[2].traces == 2 and "train_step.__kwdefaults__" in dev[2].retrace_reasons[0]

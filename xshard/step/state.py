@@ -7,8 +7,8 @@ returns the tensor there (or None), ``set(t)`` puts one there. The random stream
 two host integers (see xshard.core.rng), fed to the program on each call (see program.py).
 
 State is found from *roots*: the ``nn.Module``s, ``torch.optim.Optimizer``s and device tensors
-among the step's arguments, its closure, the globals its code names, the object a bound method
-belongs to, and the ``state=`` given to ``xshard.compile``.
+among the step's arguments, its closure and default arguments, the globals its code names, the
+object a bound method belongs to, and the ``state=`` given to ``xshard.compile``.
 """
 
 from __future__ import annotations
@@ -307,6 +307,16 @@ def find_roots(fn, extra=()) -> Roots:
                 visit(value)
             elif not is_setting(value):
                 roots.add(value, depth=1)
+        defaults = dict(zip(code.co_varnames[code.co_argcount - len(f.__defaults__ or ()):
+                                             code.co_argcount], f.__defaults__ or ()))
+        defaults.update(f.__kwdefaults__ or {})
+        for name, value in defaults.items():  # ``def step(x, model=model)``
+            if api.is_device_tensor(value):
+                roots.tensors.append((value, f"default argument {name!r}"))
+            elif not is_setting(value):
+                roots.add(value, depth=1)
+        for kind in ("__defaults__", "__kwdefaults__"):
+            roots.reach(_AttributeReader(f), kind, getattr(f, kind), f"{f.__name__}.{kind}")
         module_globals = getattr(f, "__globals__", {})
         loaded = _loaded_globals(code)
         for name in sorted(_global_names(code)):
@@ -352,6 +362,18 @@ class _CellReader:
             return self.cell.cell_contents
         except ValueError:  # emptied
             return default
+
+
+class _AttributeReader:
+    """An object's attributes read as ``get(name, default)``, as a settings dict is."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def get(self, name, default):
+        return getattr(self.obj, name, default)
 
 
 def _loaded_globals(code) -> set:
