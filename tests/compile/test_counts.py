@@ -212,3 +212,30 @@ def test_static_argument_records_per_value():
     torch.testing.assert_close(forward(x, activation="tanh").cpu(), torch.tanh(model.fc1(x)).cpu())
     forward(x, activation="relu")
     assert forward.traces == 2
+
+
+def test_a_step_recorded_again_and_again_warns_once_with_the_cause():
+    """OneCycleLR cycles AdamW's beta1 on every step, so every call records (and compiles) the
+    step again; at the 8th recording one warning names what keeps changing and the fix. The
+    values stay right."""
+    from compile_testing import train_update
+
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=12)
+        fn = lambda x, y: train_update(model, opt, x, y)  # noqa: E731
+        step = xshard.compile(fn) if compiled else fn
+        losses = []
+        for x, y in make_batches("mlp", 10):
+            losses.append(step(x.to(device), y.to(device)).item())
+            sched.step()
+        return losses, step
+
+    with pytest.warns(UserWarning, match=r"recorded and compiled the step 8 times.*betas.*"
+                                         r"cycle_momentum=False") as record:
+        dev, step = run(DEV, True)
+    assert sum("recorded and compiled" in str(w.message) for w in record) == 1
+    assert step.traces == 10
+    torch.testing.assert_close(dev, run("cpu", False)[0], rtol=1e-5, atol=1e-6)

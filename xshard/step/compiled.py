@@ -10,7 +10,9 @@ recorded again (see record.py), and a log line (logger ``xshard``, INFO) says wh
 
 from __future__ import annotations
 
+import collections
 import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -18,13 +20,14 @@ import torch.utils._pytree as pytree
 
 from xshard.core import api, capture
 from xshard.core.device import device
-from xshard.step.errors import CompileError
+from xshard.step.errors import CompileError, user_stacklevel
 from xshard.step.program import Exact, Program, difference, spec_of
 from xshard.step.record import Recording
 
 log = logging.getLogger("xshard")
 
 _TENSOR, _NUMBER, _STATIC, _ROOT = "tensor", "number", "static", "root"
+_MANY_RECORDINGS = 8  # recordings of one step after which a warning says what keeps changing
 
 
 class Arguments:
@@ -205,7 +208,26 @@ class CompiledStep:
                      self.name, self.traces, reason or "state changed")
         self._programs.setdefault(call.key, []).append(program)
         self._last, self._last_key = program, call.key
+        if self.traces == _MANY_RECORDINGS:
+            self._warn_many_recordings()
         return result
+
+    def _warn_many_recordings(self) -> None:
+        """Once, at the ``_MANY_RECORDINGS``-th recording: what keeps changing (as torch.compile
+        warns when it hits its recompile limit)."""
+        counts = collections.Counter(r.split(":")[0] for r in self.retrace_reasons)
+        common = "; ".join(f"{what} ({n} times)" for what, n in counts.most_common(3))
+        hint = ""
+        if any(k in common for k in ("momentum", "betas")):
+            hint = (" A scheduler that cycles momentum (OneCycleLR, CyclicLR) changes it on every "
+                    "step: pass cycle_momentum=False, or run this loop without xshard.compile.")
+        warnings.warn(
+            f"xshard.compile({self.name}) has recorded and compiled the step {self.traces} times in "
+            f"{self.calls} calls; each recording compiles a new program. What changed most: "
+            f"{common}. Anything that shapes the program (an input shape, an optimizer "
+            f"hyper-parameter other than the learning rate, a Python setting) records it again; "
+            f"keep it fixed, or pass the value as a tensor argument.{hint}",
+            stacklevel=user_stacklevel())
 
     def __repr__(self):
         return f"<xshard.compile({self.name}): {self.traces} recording(s), {self.calls} call(s)>"
