@@ -239,3 +239,21 @@ def test_a_step_recorded_again_and_again_warns_once_with_the_cause():
     assert sum("recorded and compiled" in str(w.message) for w in record) == 1
     assert step.traces == 10
     torch.testing.assert_close(dev, run("cpu", False)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_default_dtype_is_part_of_the_guard():
+    """A step recorded under float32 as the default dtype made its factories float32 on every
+    later call, also after ``torch.set_default_dtype(torch.float64)``."""
+    @torch.no_grad()
+    def scaled(x):
+        return x * torch.full((3,), 1.1, device=x.device)
+
+    step = xshard.compile(scaled)
+    x = torch.ones(3, dtype=torch.float64)
+    try:
+        for dtype in (torch.float32, torch.float64):
+            torch.set_default_dtype(dtype)
+            torch.testing.assert_close(step(x.to(DEV)).cpu(), scaled(x), rtol=0, atol=0)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert step.traces == 2 and "default dtype" in step.retrace_reasons[0]

@@ -602,3 +602,19 @@ def test_log_softmax_of_16_bit_floats_along_the_last_dim_as_aten(dtype):
     x = torch.cat([torch.tensor([[-4.40625, 2.328125, 8.375]]), torch.randn(6, 3) * 6])
     check_eager(lambda v: (torch.log_softmax(v, -1), torch.log_softmax(v[0], 0)), x.to(dtype),
                 rtol=0, atol=0)
+
+
+def test_ops_follow_the_default_dtype_when_it_changes():
+    """Meta results were cached by the call alone: after ``torch.set_default_dtype(float64)``,
+    ``torch.full((3,), 1.1)`` and ``int_tensor * 1.5`` stayed float32 (the first call's dtype)."""
+    def program(i):
+        return (torch.full((3,), 1.1, device=i.device), i * 1.5,
+                torch.arange(0.0, 1.0, 0.25, device=i.device), torch.ones(2, device=i.device) * 1.1)
+
+    i = torch.tensor([1, 2])
+    try:
+        for dtype in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            check_eager(program, i, rtol=0, atol=0)
+    finally:
+        torch.set_default_dtype(torch.float32)

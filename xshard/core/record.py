@@ -137,8 +137,18 @@ def freeze_call(f, args, kwargs, nodes=True, code=None):
 
 # -- meta inference -----------------------------------------------------------------------------
 
-# frozen call key -> (output spec, interned node key)
+# default dtype -> {frozen call key -> (output spec, interned node key)}: what PyTorch infers depends
+# on the default dtype too (``torch.full(s, 1.1)``, ``int_tensor * 1.5``).
 _META: dict = {}
+
+
+def _cache(caches: dict) -> dict:
+    """The part of ``caches`` for the current default dtype."""
+    default = torch.get_default_dtype()
+    cache = caches.get(default)
+    if cache is None:
+        cache = caches[default] = {}
+    return cache
 
 
 def _to_meta(x):
@@ -152,10 +162,12 @@ def _to_meta(x):
 def meta(func, args, kwargs, key: tuple):
     """``(spec, node key)`` of a call: the output spec PyTorch's meta kernel gives (``("t", shape,
     stride, dtype, offset)``, ``("seq", type, specs)`` or ``("const", value)``), cached by ``key``."""
-    entry = _META.get(key)
+    cache = _cache(_META)
+    entry = cache.get(key)
     if entry is None:
         out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
-        entry = _META[key] = (_describe(out), ir.intern_key(("call", key)))
+        entry = cache[key] = (_describe(out),
+                              ir.intern_key(("call", key, torch.get_default_dtype())))
     return entry
 
 
@@ -286,10 +298,11 @@ def _inplace(func, f, functional, args, kwargs):
     ff = facts(functional)
     template, rec = freeze_call(f, args, kwargs)
     key = tuple(rec.key)
-    entry = _INPLACE.get(key)
+    cache = _cache(_INPLACE)
+    entry = cache.get(key)
     if entry is None:
         meta(func, args, kwargs, key)  # PyTorch's own checks: broadcast into self, casts
-        entry = _INPLACE[key] = meta(functional, args, kwargs, (ff.code,) + key[1:])
+        entry = cache[key] = meta(functional, args, kwargs, (ff.code,) + key[1:])
     spec, node_key = entry
     node = _node(functional, ff, tuple(rec.inputs), template, spec, node_key)
     target = args[0]
@@ -301,7 +314,7 @@ def _inplace(func, f, functional, args, kwargs):
     return target
 
 
-# in-place call key -> (the functional twin's output spec, its node key)
+# as _META: in-place call key -> (the functional twin's output spec, its node key)
 _INPLACE: dict = {}
 
 
@@ -427,7 +440,7 @@ def _step(base, op, template, spec) -> ViewStep:
 
 # -- factories ---------------------------------------------------------------------------------------
 
-_FACTORY_META: dict = {}
+_FACTORY_META: dict = {}  # as _META
 
 
 def factory(func, args, kwargs):
@@ -443,11 +456,12 @@ def factory(func, args, kwargs):
     f = facts(func)
     template, rec = freeze_call(f, args, kwargs)
     key = tuple(rec.key)
-    entry = _FACTORY_META.get(key)
+    cache = _cache(_FACTORY_META)
+    entry = cache.get(key)
     if entry is None:
         out = func(*args, **kwargs, device="meta")
-        entry = _FACTORY_META[key] = (tuple(out.shape), tuple(out.stride()), out.dtype,
-                                      ir.intern_key(("factory", key, out.dtype)))
+        entry = cache[key] = (tuple(out.shape), tuple(out.stride()), out.dtype,
+                              ir.intern_key(("factory", key, out.dtype)))
     shape, stride, dtype, node_key = entry
     if "dtype" not in kwargs:
         # The rule needs the dtype PyTorch chose (default dtype, or inferred from the values).

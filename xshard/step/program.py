@@ -10,7 +10,7 @@ the ``xshard.execute`` span and the execution metrics (xshard.core.trace).
 [Note: the guard]
 A program was recorded for one form of the state: which slots held tensors, with which shapes,
 dtypes, shardings and ``requires_grad``; the optimizers' hyper-parameters (all but the learning
-rate); each module's ``training`` flag; the grad mode. A replay is right only if the state still
+rate); each module's ``training`` flag; the grad mode; the default dtype. A replay is right only if the state still
 has that form. Checking every tensor's form on every call would cost as much as the step's own
 dispatch, so the check is by identity: the program remembers the object it left in each slot and,
 for the storages it reads, the data node it wrote there. When both are unchanged (the common case:
@@ -241,6 +241,7 @@ class Program:
         self.placement: list[int] = []  # outputs whose arrays must be placed (see api.placed)
         # The rest of the guard.
         self.grad_enabled = True
+        self.default_dtype = torch.float32
         self.autocast = (False, None)  # see autocast_state
         self.flag_modules: list = []
         self.flag_values: list = []
@@ -300,6 +301,8 @@ class Program:
         """None when this program can run now, else what differs (for the log line)."""
         if torch.is_grad_enabled() is not self.grad_enabled:
             return f"grad mode: {self.grad_enabled} -> {torch.is_grad_enabled()}"
+        if torch.get_default_dtype() is not self.default_dtype:  # factories' dtype, promotion
+            return f"default dtype: {self.default_dtype} -> {torch.get_default_dtype()}"
         if autocast_state() != self.autocast:
             return f"autocast (enabled, dtype): {self.autocast} -> {autocast_state()}"
         if [m.training for m in self.flag_modules] != self.flag_values:

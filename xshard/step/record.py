@@ -126,6 +126,7 @@ class Recording:
         self._share_equal_scalars(slots, entry)
         program = Program(name)
         program.grad_enabled = torch.is_grad_enabled()
+        program.default_dtype = torch.get_default_dtype()
         program.autocast = autocast_state()
         program.flag_modules = [m for root in roots.modules for m in root.modules()]
         program.flag_values = [m.training for m in program.flag_modules]
