@@ -231,8 +231,6 @@ class Recording:
             for kind in _MODULE_DICTS:
                 program.sized.append(getattr(m, kind))
                 program.size_names.append(f"{kind[1:].replace('_', ' ')} of a {name}")
-            program.sized.append(m.__dict__)  # an attribute added (``m.forward = ...``)
-            program.size_names.append(f"attributes of a {name}")
             for kind in _MODULE_HELD:
                 program.hold(getattr(m, kind), f"{kind[1:].replace('_', ' ')} of a {name}")
         for kind in _GLOBAL_HOOKS:
@@ -610,6 +608,11 @@ def _record_settings(program: Program, roots) -> None:
     reached that way by identity (see [Note: what the step reaches])."""
     for m in program.flag_modules:
         d = m.__dict__
+        # An attribute added since (``m.forward = ...``); counted as the step left them (a forward
+        # may add a cache attribute the first time it runs).
+        program.sized.append(d)
+        program.sizes.append(len(d))
+        program.size_names.append(f"attributes of a {type(m).__name__}")
         for k, v in d.items():
             if k in _MODULE_INTERNALS or isinstance(v, torch.Tensor):
                 continue
