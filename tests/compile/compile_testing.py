@@ -99,6 +99,14 @@ def train_update(model, opt, *batch):
     return loss
 
 
+def assert_same_run(cpu, dev) -> None:
+    """Two runs' losses (item 0) and parameters (item 1) agree: eager CPU and compiled."""
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    assert len(dev[1]) == len(cpu[1])
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def compiled_step(model, opt):
     def train_step(x, y):
         return train_update(model, opt, x, y)

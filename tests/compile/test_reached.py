@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import xshard
-from compile_testing import DEV, MLP, make_batches, train_update
+from compile_testing import DEV, MLP, assert_same_run, make_batches, train_update
 
 
 def _make(device, seed=0):
@@ -99,10 +99,7 @@ _CASES = {
 @pytest.mark.parametrize("case", list(_CASES))
 def test_objects_the_step_reaches_replaced_between_calls(case):
     cpu, dev = _run("cpu", False, case), _run(DEV, True, case)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    assert len(dev[1]) == len(cpu[1])
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_run(cpu, dev)
     step = dev[2]
     # A new parameter the optimizer does not hold keeps its gradient: the next call finds one
     # where the step was recorded with None, and records again.
@@ -137,9 +134,7 @@ def test_optimizer_state_cleared_or_loaded_between_calls(change):
         return losses, [p.detach().cpu() for p in model.parameters()], state
 
     cpu, dev = run("cpu", False), run(DEV, True)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_run(cpu, dev)
     for a, b in zip(cpu[2], dev[2]):
         assert a.keys() == b.keys()
         for k in a:
@@ -212,9 +207,7 @@ def test_tensors_outside_the_state_changed_in_place(where):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the built-in tensor's warning
         cpu, dev = run("cpu", False), run(DEV, True)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_run(cpu, dev)
     if where == "host tensor lr":
         assert dev[2].traces == 1  # read on every call
     else:
@@ -252,9 +245,7 @@ def test_checkpoint_saved_and_loaded_between_calls(wrap, tmp_path):
         return losses, [p.detach().cpu() for p in model.parameters()]
 
     cpu, dev = run("cpu", False), run(DEV, True)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_run(cpu, dev)
 
 
 def test_model_and_settings_bound_as_default_arguments():
@@ -276,7 +267,5 @@ def test_model_and_settings_bound_as_default_arguments():
         return losses, [p.detach().cpu() for p in model.parameters()], step
 
     cpu, dev = run("cpu", False), run(DEV, True)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_run(cpu, dev)
     assert dev[2].traces == 2 and "train_step.__kwdefaults__" in dev[2].retrace_reasons[0]

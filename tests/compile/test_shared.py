@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import xshard
-from compile_testing import DEV, MLP, make_batches
+from compile_testing import DEV, MLP, assert_same_run, make_batches
 from xshard.core import api
 
 
@@ -128,9 +128,7 @@ def test_tied_parameters_untied_between_calls():
         return losses, [p.detach().cpu() for p in model.parameters()]
 
     cpu, dev = run("cpu", False), run(DEV, True)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_run(cpu, dev)
 
 
 def test_parameter_data_assigned_between_calls():
@@ -279,9 +277,7 @@ def test_settings_and_param_groups_changed_between_calls(change):
         return losses, [p.detach().cpu() for p in model.parameters()], step
 
     cpu, dev = run("cpu", False), run(DEV, True)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_run(cpu, dev)
     want = ("_Scaled.scale: 1.0 -> 3.0" if change == "module setting"
             else "number of parameters in param group 0")
     assert any(want in reason for reason in dev[2].retrace_reasons)
@@ -397,8 +393,6 @@ def test_hooks_registered_and_removed_between_calls(where):
         return losses, [p.detach().cpu() for p in model.parameters()], step
 
     cpu, dev = run("cpu", False), run(DEV, True)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_run(cpu, dev)
     # Removing the hook goes back to the first program.
     assert dev[2].traces == 2 and "hooks" in dev[2].retrace_reasons[0]
