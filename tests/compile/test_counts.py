@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import xshard
@@ -257,3 +258,36 @@ def test_default_dtype_is_part_of_the_guard():
     finally:
         torch.set_default_dtype(torch.float32)
     assert step.traces == 2 and "default dtype" in step.retrace_reasons[0]
+
+
+def test_attribute_a_forward_adds_on_its_first_run_records_once():
+    """Attribute counts are taken as the step left them: a forward that caches a setting on its
+    module the first time it runs does not record the step a second time."""
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            if not hasattr(self, "scale"):
+                self.scale = 2.0
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Cached().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = xshard.compile(train_step)
+    for _ in range(3):
+        step(torch.ones(3, 4).to(DEV))
+    assert step.traces == 1, step.retrace_reasons
+    del model.scale  # the setting removed: recorded again, and set anew by the forward
+    step(torch.ones(3, 4).to(DEV))
+    assert step.traces == 2 and "Cached.scale: 2.0 -> (deleted)" in step.retrace_reasons[0]
