@@ -107,6 +107,15 @@ def assert_same_run(cpu, dev) -> None:
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+def squared_output_step(model, opt):
+    """A training step whose loss is the mean square of ``model(x)`` (for models that return
+    their output, not a loss)."""
+    def train_step(x):
+        return train_update(lambda v: model(v).pow(2).mean(), opt, x)
+
+    return train_step
+
+
 def compiled_step(model, opt):
     def train_step(x, y):
         return train_update(model, opt, x, y)

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import xshard
-from compile_testing import DEV, MLP, make_batches
+from compile_testing import DEV, MLP, make_batches, squared_output_step
 
 LOG = "xshard"
 
@@ -277,14 +277,7 @@ def test_attribute_a_forward_adds_on_its_first_run_records_once():
     model = Cached().to(DEV)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def train_step(x):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    step = xshard.compile(train_step)
+    step = xshard.compile(squared_output_step(model, opt))
     for _ in range(3):
         step(torch.ones(3, 4).to(DEV))
     assert step.traces == 1, step.retrace_reasons

@@ -12,7 +12,7 @@ import textwrap
 import torch
 
 import xshard
-from compile_testing import DEV, GPT_TINY, compiled_step
+from compile_testing import DEV, GPT_TINY, compiled_step, squared_output_step
 from xshard.core import compiler
 from xshard.step import program as program_module
 from xshard.fsdp import FSDP, transformer_auto_wrap_policy
@@ -82,18 +82,12 @@ def test_an_evaluation_step_keeps_no_copy_of_the_model(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)).to(DEV)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def train(x):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     @torch.no_grad()
     def evaluate(x):
         return model(x).pow(2).mean()
 
-    train_step, eval_step = xshard.compile(train), xshard.compile(evaluate)
+    train_step = xshard.compile(squared_output_step(model, opt))
+    eval_step = xshard.compile(evaluate)
     x = torch.randn(4, 256).to(DEV)
     train_step(x), train_step(x), eval_step(x)
     copies = []

@@ -137,8 +137,8 @@ def freeze_call(f, args, kwargs, nodes=True, code=None):
 
 # -- meta inference -----------------------------------------------------------------------------
 
-# default dtype -> {frozen call key -> (output spec, interned node key)}: what PyTorch infers depends
-# on the default dtype too (``torch.full(s, 1.1)``, ``int_tensor * 1.5``).
+# default dtype -> {frozen call key -> (output spec, interned node key)}: what PyTorch infers
+# depends on the default dtype too (``torch.full(s, 1.1)``, ``int_tensor * 1.5``).
 _META: dict = {}
 
 

@@ -222,9 +222,9 @@ class CompiledStep:
             hint = (" A scheduler that cycles momentum (OneCycleLR, CyclicLR) changes it on every "
                     "step: pass cycle_momentum=False, or run this loop without xshard.compile.")
         warnings.warn(
-            f"xshard.compile({self.name}) has recorded and compiled the step {self.traces} times in "
-            f"{self.calls} calls; each recording compiles a new program. What changed most: "
-            f"{common}. Anything that shapes the program (an input shape, an optimizer "
+            f"xshard.compile({self.name}) has recorded and compiled the step {self.traces} "
+            f"times in {self.calls} calls; each recording compiles a new program. What changed "
+            f"most: {common}. Anything that shapes the program (an input shape, an optimizer "
             f"hyper-parameter other than the learning rate, a Python setting) records it again; "
             f"keep it fixed, or pass the value as a tensor argument.{hint}",
             stacklevel=user_stacklevel())

@@ -10,15 +10,15 @@ the ``xshard.execute`` span and the execution metrics (xshard.core.trace).
 [Note: the guard]
 A program was recorded for one form of the state: which slots held tensors, with which shapes,
 dtypes, shardings and ``requires_grad``; the optimizers' hyper-parameters (all but the learning
-rate); each module's ``training`` flag; the grad mode; the default dtype. A replay is right only if the state still
-has that form. Checking every tensor's form on every call would cost as much as the step's own
-dispatch, so the check is by identity: the program remembers the object it left in each slot and,
-for the storages it reads, the data node it wrote there. When both are unchanged (the common case:
-nothing touched the state between calls) the form is the one the program produced, which by
-construction is the one it reads. Anything else is compared in full, and an equal form is adopted,
-except in a slot that held a parameter: its gradient and optimizer state were found through that
-object. The objects the step reached its state through are compared by identity (see [Note: what
-the step reaches] in record.py).
+rate); each module's ``training`` flag; the grad mode; the default dtype. A replay is right only if
+the state still has that form. Checking every tensor's form on every call would cost as much as the
+step's own dispatch, so the check is by identity: the program remembers the object it left in each
+slot and, for the storages it reads, their write counters after it wrote them. When both are
+unchanged (the common case: nothing touched the state between calls) the form is the one the
+program produced, which by construction is the one it reads. Anything else is compared in full, and
+an equal form is adopted, except in a slot that held a parameter: its gradient and optimizer state
+were found through that object. The objects the step reached its state through are compared by
+identity (see [Note: what the step reaches] in record.py).
 
 [Note: slots sharing data]
 Slots can hold one data node: a tensor tied in two modules, a parameter and its optimizer group,
