@@ -13,9 +13,11 @@ batches, with the same shardings:
 
 Layouts (8 devices):
 
-- ``fsdp``: xshard wraps the model in ``xshard.fsdp.FSDP`` (one unit per block); JAX shards every
-  parameter and optimizer moment over an ``fsdp`` axis on its largest dimension, splits the batch
-  over it and pins the activations to the batch sharding (JAX's FSDP idiom; see bench_step.py);
+- ``fsdp``: xshard wraps the model in ``xshard.fsdp.FSDP`` (one unit per block, its defaults: each
+  unit's gradients reduced by one reduce-scatter, see [Note: FSDP gradient buckets]); JAX shards
+  every parameter and optimizer moment over an ``fsdp`` axis on its largest dimension, splits the
+  batch over it and pins the activations to the batch sharding (JAX's FSDP idiom; see
+  bench_step.py);
 - ``fsdp-free``: the same without FSDP's optimization barriers (``optimization_barrier_in_forward``
   and ``..._in_backward`` False): XLA schedules the gathers freely, as it does for the JAX program,
   at the cost of gathered parameters alive at once (see [Note: FSDP without barriers] in

@@ -109,10 +109,19 @@ def test_temporaries_hold_about_one_unit():
     unit = 4 * 2 * (d * d + d)
     whole = n * unit
     x = torch.randn(8, d).to(xshard.device())
-    resharded = temp_bytes(FSDP(Wide(d, n), auto_wrap_policy=POLICY), x)
-    kept = temp_bytes(FSDP(Wide(d, n), auto_wrap_policy=POLICY, reshard_after_forward=False), x)
+    alone = dict(auto_wrap_policy=POLICY, reduce_scatter_bucket_size_mb=0)
+    resharded = temp_bytes(FSDP(Wide(d, n), **alone), x)
+    kept = temp_bytes(FSDP(Wide(d, n), reshard_after_forward=False, **alone), x)
     # Gathered parameters are freed after each unit's forward and gathered again for backward:
     # the peak holds one unit (plus small activations), not the model.
     assert resharded <= 1.25 * unit, (resharded, unit, whole)
     # Without resharding, every unit's gathered parameters wait for backward.
     assert kept >= 0.9 * whole, (kept, whole)
+    # Reducing a unit's gradients together (the default bucket holds a whole unit here) adds the
+    # bucket: the unit's unreduced gradients, laid out for one reduce-scatter.
+    bucketed = temp_bytes(FSDP(Wide(d, n), auto_wrap_policy=POLICY), x)
+    assert bucketed <= resharded + 1.1 * unit, (bucketed, resharded, unit)
+    # A bucket smaller than the unit bounds the addition: each of its Linears alone here.
+    half = temp_bytes(FSDP(Wide(d, n), auto_wrap_policy=POLICY,
+                           reduce_scatter_bucket_size_mb=unit / 2 ** 21), x)
+    assert half <= resharded + 0.6 * unit, (half, resharded, unit)

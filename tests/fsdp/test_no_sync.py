@@ -51,11 +51,13 @@ def assert_grads_match(model, reference, rtol=1e-4, atol=1e-6):
 @pytest.mark.parametrize("policy", ["transformer", "size"])
 def test_micro_steps_under_no_sync_reduce_no_gradient(policy):
     micro = batches(3, distinct=3)
-    model = fsdp_copy(gpt(0, CFG), auto_wrap_policy=POLICIES[policy])
+    # Gradients reduced one by one (no buckets), so that reductions count gradients.
+    options = dict(auto_wrap_policy=POLICIES[policy], reduce_scatter_bucket_size_mb=0)
+    model = fsdp_copy(gpt(0, CFG), **options)
     inside, _, last = accumulate(model, micro, no_sync_steps=2)
     # Only the loss (a scalar mean over the sharded batch) is reduced inside no_sync.
     assert inside == ["f32[]"], inside
-    plain = fsdp_copy(gpt(0, CFG), auto_wrap_policy=POLICIES[policy])
+    plain = fsdp_copy(gpt(0, CFG), **options)
     (normal,) = accumulate(plain, micro[:1], no_sync_steps=0)
     # Every parameter's gradient is reduced in a plain step (the tied embedding once per use) ...
     assert len(normal) >= len(list(plain.parameters())) + 1

@@ -31,6 +31,8 @@ xshard's own ops (strings, ``"xshard.*"``):
                            an annotated result leaves a graph (jax.Array refuses uneven shardings)
 ``PARTIAL_SUM``            the sum over the leading dimension of its input, one row per device: a
                            value kept unreduced until a graph reads it (FSDP's ``no_sync``)
+``SCATTERED_SUM``          the same sum, its result split over those devices along its first
+                           dimension (a reduce-scatter): FSDP's gradients of a unit, reduced at once
 ``PER_DEVICE``             an op run per block of the batch under ``vmap``, giving one row per device
                            (how ``no_sync`` gradients become partial sums; see xshard.fsdp.partial)
 ``FIRST_ROW``              the input in row 0 of ``n`` rows, zeros elsewhere
@@ -66,6 +68,7 @@ RNG_KEY = "xshard.rng_key"
 CONSTRAIN = "xshard.sharding_constraint"
 SHARD_OUTPUT = "xshard.shard_output"
 PARTIAL_SUM = "xshard.partial_sum"
+SCATTERED_SUM = "xshard.scattered_sum"
 PER_DEVICE = "xshard.per_device"
 FIRST_ROW = "xshard.first_row"
 BARRIER = "xshard.optimization_barrier"
@@ -81,9 +84,9 @@ PPERMUTE = "xshard.ppermute"
 # Ops the graph interpreter handles itself (no lowering rule).
 STRUCTURAL = (DATA, SCALAR, OUTPUT)
 # xshard's computed ops; each has a rule in xshard.core.lowering.xshard_ops.
-XSHARD_OPS = (RNG_KEY, CONSTRAIN, SHARD_OUTPUT, PARTIAL_SUM, PER_DEVICE, FIRST_ROW, BARRIER,
-              CSE_BARRIER, MANUAL_ENTER, MANUAL_REGION, ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER,
-              ALL_TO_ALL, PPERMUTE)
+XSHARD_OPS = (RNG_KEY, CONSTRAIN, SHARD_OUTPUT, PARTIAL_SUM, SCATTERED_SUM, PER_DEVICE, FIRST_ROW,
+              BARRIER, CSE_BARRIER, MANUAL_ENTER, MANUAL_REGION, ALL_REDUCE, ALL_GATHER,
+              REDUCE_SCATTER, ALL_TO_ALL, PPERMUTE)
 BARRIERS = (BARRIER, CSE_BARRIER)
 
 
@@ -298,3 +301,13 @@ def partial_sum(rows: Node, jax_sharding) -> Node:
     """The sum over the leading dimension of ``rows``, each row kept on its own device(s) under
     ``jax_sharding`` until a graph reads the sum."""
     return Node(PARTIAL_SUM, (rows,), ((slot(0), jax_sharding), ()), rows.shape[1:], rows.dtype)
+
+
+def scattered_sum(rows: Node, jax_sharding) -> Node:
+    """The sum over the leading dimension of ``rows`` (``n`` rows laid out by the ``NamedSharding``
+    ``jax_sharding``, the first dimension split over some mesh axes), computed as a reduce-scatter:
+    the result's first dimension (``n`` long too) is split over the same axes."""
+    if rows.shape[1] != rows.shape[0]:
+        raise ValueError(f"scattered_sum needs as many blocks as rows, got shape {rows.shape}")
+    return Node(SCATTERED_SUM, (rows,), ((slot(0), jax_sharding), ()), rows.shape[1:],
+                rows.dtype)

@@ -88,7 +88,8 @@ def replicated_on(devices: tuple):
 
 # Ops whose static arguments hold a jax sharding or mesh: the graph's device assignment follows
 # them.
-PLACING_OPS = frozenset({ir.CONSTRAIN, ir.SHARD_OUTPUT, ir.PARTIAL_SUM, ir.MANUAL_REGION})
+PLACING_OPS = frozenset({ir.CONSTRAIN, ir.SHARD_OUTPUT, ir.PARTIAL_SUM, ir.SCATTERED_SUM,
+                         ir.MANUAL_REGION})
 
 
 def _place(obj):

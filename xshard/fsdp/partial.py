@@ -113,10 +113,15 @@ _ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
 def per_device_rows(value: ir.Node, batch: BatchDims, sharding) -> ir.Node:
     """``batch.n`` rows (shape ``(n, *value.shape)``, laid out by the jax ``sharding``) summing to
     ``value``, computed without reducing over devices where the subgraph allows it."""
+    rows = split_rows(value, batch, sharding)
+    return ir.constrain(_first_row(value, batch.n), sharding) if rows is None else rows
+
+
+def split_rows(value: ir.Node, batch: BatchDims, sharding) -> ir.Node | None:
+    """``per_device_rows`` where the subgraph computing ``value`` splits over the batch, else
+    None."""
     rows = _Rewrite(batch).rows(value, 0)
-    if rows is None:
-        rows = _first_row(value, batch.n)
-    return ir.constrain(rows, sharding)
+    return None if rows is None else ir.constrain(rows, sharding)
 
 
 class _Rewrite:

@@ -37,6 +37,17 @@ def _partial_sum(rows, sharding):
     return jnp.sum(lax.with_sharding_constraint(rows, sharding), axis=0)
 
 
+def _scattered_sum(rows, sharding):
+    axes = sharding.spec[0]
+    spec = jax.sharding.PartitionSpec(axes)
+
+    def body(block):  # this device's row: (1, n, ...) -> its block of the sum, (1, ...)
+        return lax.psum_scatter(block[0], axes, scatter_dimension=0, tiled=True)
+
+    return jax.shard_map(body, mesh=sharding.mesh, in_specs=spec, out_specs=spec,
+                         check_vma=False)(rows)
+
+
 STACKED = "rows"  # a PER_DEVICE input mode: already one row per device (vmapped over dim 0)
 
 
@@ -125,6 +136,7 @@ RULES.update({
     ir.CONSTRAIN: _constrain,
     ir.SHARD_OUTPUT: _shard_output,
     ir.PARTIAL_SUM: _partial_sum,
+    ir.SCATTERED_SUM: _scattered_sum,
     ir.PER_DEVICE: _per_device,
     ir.FIRST_ROW: _first_row,
     ir.BARRIER: _barrier,
