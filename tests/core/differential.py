@@ -154,6 +154,18 @@ def _check_defined(step, args):
             args[1], torch.dtype) and args[0].dtype.is_floating_point and bool(
             torch.isnan(args[0]).any()):
         raise InvalidProgram("the bits of NaN are not defined")
+    if step.kind == "torch" and step.name == "native_layer_norm" and args[0].dtype in (
+            torch.float16, torch.bfloat16):
+        raise InvalidProgram("native_layer_norm's saved mean and rstd of 16-bit floats: ATen's "
+                             "CPU kernel gives them in the input's dtype, PyTorch's meta kernel "
+                             "(which xshard conforms to, as CUDA does) in float32")
+
+
+def _has_subnormals(v) -> bool:
+    if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or v.numel() == 0:
+        return False
+    magnitude = v.detach().abs()
+    return bool(((magnitude > 0) & (magnitude < torch.finfo(v.dtype).tiny)).any())
 
 
 _SOFTMAXES = (torch.ops.aten._softmax, torch.ops.aten._log_softmax, torch.ops.aten.softmax,
@@ -376,8 +388,8 @@ class _EagerRules(torch.utils._python_dispatch.TorchDispatchMode):
     boundary but not on it: ``_ambiguous``), is a
     quirk of ATen's CPU kernels that no other backend shares (its exact GELU gives NaN at +-inf,
     var_mean's Welford mean over an infinity is NaN or inf depending on its position, its
-    float32 ndtr below -3 is off by several percent), or hits a known xshard bug
-    (``KNOWN_BUGS``)."""
+    float32 ndtr below -3 is off by several percent), reads a subnormal float (XLA flushes
+    them to zero), or hits a known xshard bug (``KNOWN_BUGS``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -388,6 +400,9 @@ class _EagerRules(torch.utils._python_dispatch.TorchDispatchMode):
             if applies(func, args):
                 raise InvalidProgram(f"known xshard bug: {reason}")
         flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(_has_subnormals(v) for v in flat):
+            raise InvalidProgram(f"{func} reads a subnormal float: XLA flushes them to zero (as "
+                                 f"JAX does; see the README's known limits), ATen keeps them")
         schema = func._schema
         written = [a.name for a in schema.arguments if a.alias_info is not None and
                    a.alias_info.is_write]
@@ -405,6 +420,11 @@ class _EagerRules(torch.utils._python_dispatch.TorchDispatchMode):
             raise InvalidProgram(f"{func} in bfloat16: ATen's kernel rounds its weights and "
                                  f"sums to bfloat16 (xshard computes in float32 and rounds once, "
                                  f"nearer the exact value; they differ where terms cancel)")
+        if name in ("convolution", "_convolution") and args[0].dtype == torch.float16 and \
+                args[6]:
+            raise InvalidProgram(f"{func}, transposed, in float16: ATen's CPU kernel sums in "
+                                 f"float16 (a third of the values off the exact rounding; "
+                                 f"xshard sums in float32 and rounds once)")
         if name == "repeat" and any(r < 0 for r in args[1]):
             raise InvalidProgram("repeat with a negative count: eager's check depends on the "
                                  "shape (PyTorch's meta kernel refuses it always)")

@@ -7,7 +7,7 @@ import torch
 
 from xshard.core import runtime
 from xshard.core.lowering.promotion import _INT, _category, promote
-from xshard.core.lowering.table import astype, rule
+from xshard.core.lowering.table import HALF_FLOATS, astype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -20,11 +20,27 @@ def _mm_precision():
     return lax.Precision.HIGHEST
 
 
-def _matmul(a, b):
+def _matmul(a, b, wide: bool = False):
+    """``a @ b``. ``wide``: a 16-bit float product is kept in float32 (XLA accumulates it so), for
+    a caller that adds to it and rounds once (see ``_round_once``)."""
     a, b = promote(a, b)
     if _category(a.dtype) == _INT or a.dtype == np.bool_:
         return jnp.matmul(a, b)
+    if wide and a.dtype in HALF_FLOATS:
+        return jnp.matmul(a, b, precision=_mm_precision(), preferred_element_type=np.float32)
     return jnp.matmul(a, b, precision=_mm_precision())
+
+
+def _round_once(fn):
+    """An add-matmul op (``beta * bias + alpha * a @ b``) whose 16-bit float product, scaling and
+    sum stay in float32 and are rounded once, as ATen's CPU kernels (and cuBLAS's epilogues) do:
+    rounding the product first, then the sum, differed from eager in a quarter of the elements of
+    a bfloat16 ``nn.Linear`` with bias."""
+    def lower(bias, a, b, beta=1, alpha=1):
+        dtype = promote(a, b)[0].dtype
+        out = fn(bias, a, b, beta, alpha)
+        return out.astype(dtype) if out.dtype != dtype else out
+    return lower
 
 
 @rule(aten.mm, aten.bmm, aten.matmul, aten.dot, aten.mv, aten.vdot)
@@ -54,24 +70,28 @@ def _plus_bias(out, bias, beta):
     return out + _zero_where_0(bias.astype(out.dtype), beta)
 
 
-@rule(aten.addmm)
+@rule(aten.addmm, aten.addmv)
+@_round_once
 def _addmm(bias, a, b, beta=1, alpha=1):
-    return _plus_bias(_zero_where_0(_matmul(a, b), alpha), bias, beta)
+    return _plus_bias(_zero_where_0(_matmul(a, b, wide=True), alpha), bias, beta)
 
 
 @rule(aten.baddbmm)
+@_round_once
 def _baddbmm(bias, a, b, beta=1, alpha=1):
     # Unlike addmm, addmv and addbmm, ATen's baddbmm keeps NaN of the product when alpha is 0.
-    return _plus_bias(_scale(_matmul(a, b), alpha), bias, beta)
-
-
-@rule(aten.addmv)
-def _addmv(bias, a, v, beta=1, alpha=1):
-    return _addmm(bias, a, v, beta, alpha)
+    return _plus_bias(_scale(_matmul(a, b, wide=True), alpha), bias, beta)
 
 
 @rule(aten.addbmm)
 def _addbmm(bias, a, b, beta=1, alpha=1):
+    if promote(a, b)[0].dtype in HALF_FLOATS and a.shape[0] > 0:
+        # ATen's CPU kernel adds one batch at a time, an addmm each, rounded each time.
+        def add_one(total, pair):
+            return _addmm(total, pair[0], pair[1], 1, alpha), None
+
+        first = _addmm(bias, a[0], b[0], beta, alpha)
+        return lax.scan(add_one, first, (a[1:], b[1:]))[0]
     return _plus_bias(_zero_where_0(jnp.sum(_matmul(a, b), axis=0), alpha), bias, beta)
 
 

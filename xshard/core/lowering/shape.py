@@ -87,6 +87,26 @@ def _gather(x, dim, index, sparse_grad=False):
     return jnp.take_along_axis(x, index, axis=dim, mode="clip")
 
 
+def _as_aten_scatters(rule_fn):
+    """A scatter rule, taking its arguments as ATen does: an empty ``index`` (of any rank) writes
+    nothing (the result is ``x``), and a 0-dim ``x`` or ``index`` counts as 1-dim (a 0-dim
+    ``src``: see ``_covered``)."""
+    def lower(x, dim, index, src, *args, **kwargs):
+        if index.size == 0:
+            return x
+        if x.ndim == 0 or index.ndim == 0:
+            out = rule_fn(x.reshape(-1), dim, index.reshape(-1), src, *args, **kwargs)
+            return out.reshape(x.shape)
+        return rule_fn(x, dim, index, src, *args, **kwargs)
+    return lower
+
+
+def _covered(src, index):
+    """The leading block of ``src`` that ``index`` covers; a 0-dim ``src`` counts as 1-dim."""
+    src = src.reshape(1) if src.ndim == 0 else src
+    return src[tuple(slice(0, n) for n in index.shape)]
+
+
 def _scatter_indices(x, dim, index):
     dim = dim % x.ndim
     grids = jnp.meshgrid(*[jnp.arange(n) for n in index.shape], indexing="ij")
@@ -95,9 +115,8 @@ def _scatter_indices(x, dim, index):
 
 
 @rule(aten.scatter.src, aten.scatter.value)
+@_as_aten_scatters
 def _scatter(x, dim, index, src):
-    if x.ndim == 0:
-        return jnp.asarray(src, x.dtype).reshape(())
     if not hasattr(src, "shape") or jnp.ndim(src) == 0:
         src = jnp.broadcast_to(jnp.asarray(src, x.dtype), index.shape)
     src = src[tuple(slice(0, n) for n in index.shape)]
@@ -105,12 +124,11 @@ def _scatter(x, dim, index, src):
 
 
 @rule(aten.scatter.reduce, aten.scatter.value_reduce)
+@_as_aten_scatters
 def _scatter_with_reduce(x, dim, index, src, reduce):
     if not hasattr(src, "shape") or jnp.ndim(src) == 0:
         src = jnp.broadcast_to(jnp.asarray(src, x.dtype), index.shape)
     src = src[tuple(slice(0, n) for n in index.shape)].astype(x.dtype)
-    if x.ndim == 0:
-        return x + src.reshape(()) if reduce == "add" else x * src.reshape(())
     idx = _scatter_indices(x, dim, index)
     if reduce == "add":
         return _scatter_sum(x, idx, src)
@@ -139,19 +157,18 @@ def _masked_scatter(x, mask, source):
 
 
 @rule(aten.scatter_add)
+@_as_aten_scatters
 def _scatter_add(x, dim, index, src):
-    if x.ndim == 0:
-        return _add(x, src.reshape(()))
-    src = src[tuple(slice(0, n) for n in index.shape)]
-    return _scatter_sum(x, _scatter_indices(x, dim, index), src.astype(x.dtype))
+    return _scatter_sum(x, _scatter_indices(x, dim, index), _covered(src, index).astype(x.dtype))
 
 
 @rule(aten.scatter_reduce.two)
+@_as_aten_scatters
 def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
     if x.dtype == np.bool_:  # sum is "or", prod is "and": reduce as integers
         return _scatter_reduce(x.astype(np.int32), dim, index, src.astype(np.int32), reduce,
                                include_self) != 0
-    src = src[tuple(slice(0, n) for n in index.shape)].astype(x.dtype)
+    src = _covered(src, index).astype(x.dtype)
     idx = _scatter_indices(x, dim, index)
     if reduce == "sum":
         base = x if include_self else x.at[idx].set(0)
