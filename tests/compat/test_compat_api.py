@@ -123,6 +123,58 @@ def test_all_reduce_and_all_gather_with_one_replica():
         xm.all_gather(t, dim=2)
 
 
+def test_scatter_all_to_all_permute_broadcast_with_one_replica():
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    t = x.to(DEV)
+    out = xm.reduce_scatter(xm.REDUCE_SUM, t, scale=0.5, scatter_dim=1, shard_count=1)
+    assert out is not t and torch.equal(out.cpu(), x * 0.5)
+    outs = xm.reduce_scatter(xm.REDUCE_MAX, [t, t[0]], 1.0, -1, 1)
+    assert [o.cpu().tolist() for o in outs] == [x.tolist(), x[0].tolist()]
+    into = torch.zeros(2, 3).to(DEV)
+    assert xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0, 1, output=into) is into
+    assert torch.equal(into.cpu(), x)
+    assert torch.equal(xm.all_to_all(t, 1, 0, 1).cpu(), x)
+    assert torch.equal(xm.collective_permute(t, [[0, 0]]).cpu(), x)
+    assert torch.equal(xm.collective_permute(t, []).cpu(), torch.zeros(2, 3))
+    xm.collective_broadcast([t], root_ordinal=0)
+    assert torch.equal(t.cpu(), x)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0, 2), ValueError,
+     r"shard_count=2\): shard_count must be the number of replicas, 1"),
+    (lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 2, 1), ValueError,
+     r"scatter_dim=2 is out of range for a 2-dim tensor of shape \[2, 3\]; valid: -2 to 1"),
+    (lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0.0, 1), TypeError,
+     "scatter_dim must be an int, got 0.0"),
+    (lambda t: xm.reduce_scatter("avg", t, 1.0, 0, 1), ValueError, "reduce_type='avg'"),
+    (lambda t: xm.reduce_scatter(xm.REDUCE_SUM, [], 1.0, 0, 1), TypeError,
+     "non-empty list"),
+    (lambda t: xm.reduce_scatter(xm.REDUCE_SUM, [t, t[0]], 1.0, 1, 1), ValueError,
+     r"scatter_dim=1 is out of range for a 1-dim tensor of shape \[3\]"),
+    (lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t, 1.0, 0, 1,
+                                 output=torch.zeros(3, 2).to(DEV)), ValueError,
+     r"output 0 is \[3, 2\] torch.float32; the result is \[2, 3\] torch.float32"),
+    (lambda t: xm.reduce_scatter(xm.REDUCE_SUM, t.long(), 0.5, 0, 1), ValueError,
+     "a scale applies to floating-point tensors only"),
+    (lambda t: xm.all_to_all(t, 0, 3, 1), ValueError, "concat_dimension=3 is out of range"),
+    (lambda t: xm.all_to_all(t, 0, 1, 4), ValueError, "split_count must be the number of"),
+    (lambda t: xm.collective_permute(t, [[0, 1]]), ValueError,
+     r"pair \(0, 1\) names a replica outside 0..0"),
+    (lambda t: xm.collective_permute(t, [[0, 0], [0, 0]]), ValueError,
+     "name a source more than once"),
+    (lambda t: xm.collective_permute(t, [0, 1]), TypeError,
+     r"pairs must be a list of \(source, target\) replica ordinals"),
+    (lambda t: xm.collective_permute(t, [[0.0, 0]]), TypeError, "pairs must be a list"),
+    (lambda t: xm.collective_broadcast([t], root_ordinal=1), ValueError,
+     r"root_ordinal=1\): valid ordinals are 0 to 0"),
+    (lambda t: xm.collective_broadcast([t.cpu()]), TypeError, "not an xshard tensor"),
+])
+def test_scatter_all_to_all_permute_broadcast_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call(torch.ones(2, 3).to(DEV))
+
+
 def test_rendezvous_mesh_reduce_do_on_ordinals():
     assert xm.rendezvous("x", b"abc") == [b"abc"]
     got = xm.mesh_reduce("acc", {"v": torch.tensor([2.0]).to(DEV)}, lambda xs: xs)
@@ -176,8 +228,8 @@ def test_rate_tracker():
 def test_names_without_meaning_raise_with_the_replacement():
     with pytest.raises(AttributeError, match="set_replication has no counterpart.*xmp.spawn"):
         xm.set_replication
-    with pytest.raises(AttributeError, match="reduce_scatter .*xm.all_reduce, then take"):
-        xm.reduce_scatter
+    with pytest.raises(AttributeError, match="send has no counterpart.*xm.collective_permute"):
+        xm.send
     with pytest.raises(AttributeError, match="has no attribute 'nonexistent'"):
         xm.nonexistent
     with pytest.raises(AttributeError, match="_XLAC .* does not exist"):

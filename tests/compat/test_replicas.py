@@ -71,6 +71,29 @@ def test_all_gather_rendezvous_mesh_reduce(api):
         assert res["mesh_reduce"] == [1.0, 2.0]
 
 
+def test_reduce_scatter_all_to_all_permute_broadcast(api):
+    _, results = api
+    a = [torch.arange(8, dtype=torch.float32).reshape(4, 2) + 10 * r for r in (0, 1)]
+    v = [torch.arange(6) * r for r in (1, 2)]
+    flags = [torch.tensor([True, True, True, False]), torch.tensor([True, False, True, False])]
+    for r, res in results.items():
+        got = res["reduce_scatter"]
+        assert got["sum"] == ((a[0] + a[1]) * 0.5).chunk(2, 0)[r].tolist()
+        assert got["list"] == [(a[0] + a[1]).chunk(2, 1)[r].tolist(),
+                               (v[0] + v[1]).chunk(2, 0)[r].tolist()]
+        assert got["max"] == torch.maximum(a[0], -a[1]).chunk(2, 1)[r].tolist()
+        assert got["mul"] == (a[0].long() * a[1].long()).chunk(2, 0)[r].tolist()
+        assert got["and"] == (flags[0] & flags[1]).chunk(2, 0)[r].tolist()
+        assert got["output"] == torch.minimum(a[0], a[1]).chunk(2, 1)[r].tolist()
+        assert res["all_to_all"] == [
+            torch.cat([a[0].chunk(2, 0)[r], a[1].chunk(2, 0)[r]], 1).tolist(),
+            torch.cat([a[0].chunk(2, 1)[r], a[1].chunk(2, 1)[r]], 0).tolist()]
+        assert res["permute"] == [a[1 - r].tolist(),
+                                  (a[0] if r == 1 else torch.zeros(4, 2)).tolist(),
+                                  2.0 if r == 0 else 0.0]
+        assert res["broadcast"] == [a[1].tolist(), [0, 2, 4], True]
+
+
 def test_optimizer_step_averages_gradients(api):
     _, results = api
     torch.manual_seed(0)

@@ -82,27 +82,29 @@ def _global(local, n: int):
 
 
 class _Program:
-    """A cached collective over given shapes and dtypes: ``run(locals) -> locals``."""
+    """A cached collective over given shapes and dtypes: ``run(locals) -> locals``.
 
-    def __init__(self, kind: str, op: str, scale: float, signature: tuple, dim: int = 0):
-        self.kind, self.op = kind, op
+    ``params`` are the collective's settings (see ``_BODIES``). The results of ``all_reduce``,
+    ``all_gather`` and ``broadcast`` are the same on every replica; those of ``reduce_scatter``,
+    ``all_to_all`` and ``collective_permute`` are each replica's own block.
+    """
+
+    def __init__(self, kind: str, params: tuple, signature: tuple):
+        self.kind = kind
         n = len(signature)
-        if kind == "all_reduce":
-            body = functools.partial(_reduce_body, op, scale)
-        else:
-            body = functools.partial(_gather_body, dim)
-        mapped = jax.shard_map(body, mesh=mesh(), in_specs=(P(AXIS),) * n,
-                               out_specs=(P(),) * n, check_vma=False)
-        self.fn = jax.jit(mapped, out_shardings=(NamedSharding(mesh(), P()),) * n)
-        text = f"{kind}|{op}|{scale!r}|{dim}|" + ";".join(f"{s}:{d}" for s, d in signature)
+        make_body, replicated = _BODIES[kind]
+        out = P() if replicated else P(AXIS)
+        mapped = jax.shard_map(functools.partial(make_body, *params), mesh=mesh(),
+                               in_specs=(P(AXIS),) * n, out_specs=(out,) * n, check_vma=False)
+        self.fn = jax.jit(mapped, out_shardings=(NamedSharding(mesh(), out),) * n)
+        text = f"{kind}|{params!r}|" + ";".join(f"{s}:{d}" for s, d in signature)
         self.digest = divergence.text_digest(text)
         sizes: dict = {}
         for shape, dtype in signature:
             sizes[dtype] = sizes.get(dtype, 0) + int(np.prod(shape))
         tensors = f"{n} tensor{'s' if n != 1 else ''} (" + ", ".join(
             f"{size} {dtype} elements" for dtype, size in sizes.items()) + ")"
-        self.what = f"{op!r} over {tensors}" if kind == "all_reduce" else \
-            f"{tensors} along dim {dim}"
+        self.what = _DESCRIPTIONS[kind](tensors, *params)
 
     def run(self, locals_: list) -> list:
         divergence.before_collective(self.digest, f"xm.{self.kind}", self.what)
@@ -151,15 +153,65 @@ def _gather_body(dim, *xs):
     return tuple(jax.lax.all_gather(x, AXIS, axis=dim, tiled=True) for x in xs)
 
 
+def _scatter_body(op, scale, dims, *xs):
+    """Each tensor reduced over the replicas, then split along its dim: this replica's block."""
+    outs = []
+    for x, dim in zip(xs, dims):
+        if op == "sum":
+            block = jax.lax.psum_scatter(x, AXIS, scatter_dimension=dim, tiled=True)
+        else:
+            whole = _PRIMITIVES[op](x) if op in _PRIMITIVES else \
+                _GATHERED[op](jax.lax.all_gather(x, AXIS))
+            size = x.shape[dim] // jax.lax.axis_size(AXIS)
+            block = jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index(AXIS) * size, size,
+                                                 axis=dim)
+        outs.append(block * jnp.asarray(scale, block.dtype) if scale != 1.0 else block)
+    return tuple(outs)
+
+
+def _all_to_all_body(split, concat, *xs):
+    return tuple(jax.lax.all_to_all(x, AXIS, split, concat, tiled=True) for x in xs)
+
+
+def _permute_body(pairs, *xs):
+    return tuple(jax.lax.ppermute(x, AXIS, perm=pairs) for x in xs)
+
+
+def _broadcast_body(root, *xs):
+    return tuple(jax.lax.all_gather(x, AXIS)[root] for x in xs)
+
+
+# kind: (body(*params, *locals), whether every replica gets the same result)
+_BODIES = {
+    "all_reduce": (_reduce_body, True),  # params: (op, scale)
+    "all_gather": (_gather_body, True),  # (dim,)
+    "reduce_scatter": (_scatter_body, False),  # (op, scale, dim per tensor)
+    "all_to_all": (_all_to_all_body, False),  # (split dim, concat dim)
+    "collective_permute": (_permute_body, False),  # ((source, target) pairs,)
+    "broadcast": (_broadcast_body, True),  # (root,)
+}
+_DESCRIPTIONS = {  # what the multi-process check names (tensors: "2 tensors (...)")
+    "all_reduce": lambda tensors, op, scale: f"{op!r} over {tensors}",
+    "all_gather": lambda tensors, dim: f"{tensors} along dim {dim}",
+    "reduce_scatter": lambda tensors, op, scale, dims: f"{op!r} over {tensors}, scattered "
+                                                       f"along dims {list(dims)}",
+    "all_to_all": lambda tensors, split, concat: f"{tensors}, split along dim {split}, "
+                                                 f"concatenated along dim {concat}",
+    "collective_permute": lambda tensors, pairs: f"{tensors}, pairs {list(pairs)}",
+    "broadcast": lambda tensors, root: f"{tensors} from replica {root}",
+}
+
+
 _PROGRAMS: dict = {}
 
 
-def _program(kind: str, op: str, scale: float, signature: tuple, dim: int = 0) -> _Program:
-    # Exact key: strings, a float, shapes as tuples of ints, dtypes as numpy dtype names.
-    key = (kind, op, float(scale), dim, signature)
+def _program(kind: str, params: tuple, signature: tuple) -> _Program:
+    # Exact key: strings, ints, floats, tuples of ints, shapes as tuples of ints, dtypes as numpy
+    # dtype names.
+    key = (kind, params, signature)
     program = _PROGRAMS.get(key)
     if program is None:
-        program = _PROGRAMS[key] = _Program(kind, op, float(scale), signature, dim)
+        program = _PROGRAMS[key] = _Program(kind, params, signature)
     return program
 
 
@@ -167,23 +219,35 @@ def _signature(locals_: list) -> tuple:
     return tuple((tuple(int(d) for d in x.shape), str(x.dtype)) for x in locals_)
 
 
+def run(kind: str, params: tuple, tensors: list) -> list:
+    """Collective ``kind`` (see ``_BODIES``) over ``tensors``: this replica's local result arrays,
+    at least 1-dim, one per tensor."""
+    locals_ = [_local_array(t) for t in tensors]
+    return _program(kind, params, _signature(locals_)).run(locals_)
+
+
 def all_reduce(op: str, tensors: list, scale: float) -> list:
     """The reduction of each tensor across the replicas, times ``scale``: data nodes (IR) with
     the results, one per tensor."""
-    locals_ = [_local_array(t) for t in tensors]
-    program = _program("all_reduce", op, scale, _signature(locals_))
-    results = program.run(locals_)
+    results = run("all_reduce", (op, float(scale)), tensors)
     return [_node(r, t.shape, t.dtype) for r, t in zip(results, tensors)]
 
 
 def all_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
     """The replicas' values of ``t`` (at least 1-dim) concatenated along ``dim`` (>= 0), in
     replica order."""
-    local = _local_array(t)
-    (result,) = _program("all_gather", "cat", 1.0, _signature([local]), dim).run([local])
+    (result,) = run("all_gather", (dim,), [t])
     shape = list(t.shape)
     shape[dim] *= mesh().devices.size
     return api.new_tensor(_node(result, shape, t.dtype))
+
+
+def blocks(kind: str, params: tuple, tensors: list, shapes: list) -> list:
+    """This replica's results of a collective whose result differs per replica
+    (``reduce_scatter``, ``all_to_all``, ``collective_permute``) or is the same shape as its input
+    (``broadcast``): data nodes of the given ``shapes``, one per tensor."""
+    results = run(kind, params, tensors)
+    return [_node(r, shape, t.dtype) for r, shape, t in zip(results, shapes, tensors)]
 
 
 def _node(result, shape, dtype: torch.dtype):

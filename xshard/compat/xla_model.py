@@ -17,6 +17,7 @@ Example (the classic recipe, unchanged):
 from __future__ import annotations
 
 import io
+import numbers
 import struct
 import sys
 import time
@@ -209,6 +210,17 @@ def _check_device_tensors(tensors: list, what: str) -> None:
                             f".to(xm.xla_device()).")
 
 
+def _check_scale(scale, tensors: list, what: str) -> float:
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a number, got {type(scale).__name__}.")
+    if scale != 1.0:
+        for t in tensors:
+            if not t.dtype.is_floating_point:
+                raise ValueError(f"{what}(scale={scale!r}) of a {t.dtype} tensor: a scale "
+                                 f"applies to floating-point tensors only; pass scale=1.0.")
+    return float(scale)
+
+
 def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, output=None,
                pin_layout: bool = True):
     """Reduces ``inputs`` across the replicas (``reduce_type``: ``xm.REDUCE_SUM``, ...), then
@@ -238,13 +250,7 @@ def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, output
     single = isinstance(inputs, torch.Tensor)
     tensors = [inputs] if single else list(inputs)
     _check_device_tensors(tensors, "xm.all_reduce")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a number, got {type(scale).__name__}.")
-    if scale != 1.0:
-        for t in tensors:
-            if not t.dtype.is_floating_point:
-                raise ValueError(f"xm.all_reduce(scale={scale!r}) of a {t.dtype} tensor: a scale "
-                                 f"applies to floating-point tensors only; pass scale=1.0.")
+    scale = _check_scale(scale, tensors, "xm.all_reduce")
     if not tensors:
         return inputs
     with torch.no_grad():
@@ -285,6 +291,192 @@ def all_gather(value: torch.Tensor, dim: int = 0, groups=None, output=None,
         if _world.world_size() == 1:
             return value.clone()
         return collectives.all_gather(value, dim)
+
+
+def _int(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+    return value
+
+
+def _dim(t: torch.Tensor, dim, name: str) -> int:
+    """``dim`` of ``t`` as a non-negative int, or a clear error."""
+    dim = _int(dim, name)
+    if t.dim() == 0 or not -t.dim() <= dim < t.dim():
+        raise ValueError(f"{name}={dim} is out of range for a {t.dim()}-dim tensor of shape "
+                         f"{list(t.shape)}; valid: -{t.dim()} to {t.dim() - 1}.")
+    return dim % t.dim()
+
+
+def _check_count(count, name: str, what: str) -> int:
+    n = _world.world_size()
+    if _int(count, name) != n:
+        raise ValueError(f"{what}({name}={count}): {name} must be the number of replicas, {n} "
+                         f"(xm.xrt_world_size()); groups of fewer replicas are not supported.")
+    return n
+
+
+def _check_divides(t: torch.Tensor, dim: int, n: int, what: str) -> None:
+    if t.shape[dim] % n:
+        raise ValueError(f"{what}: dimension {dim} of a tensor of shape {list(t.shape)} has size "
+                         f"{t.shape[dim]}, not a multiple of the {n} replicas; pad it to a "
+                         f"multiple of {n}.")
+
+
+def _put(results: list, output, tensors: list, what: str):
+    """``results`` (data nodes) as new tensors, or written into ``output`` (a tensor, or a list of
+    as many) after checking its shapes and dtypes."""
+    if output is None:
+        return [api.new_tensor(node) for node in results]
+    outputs = [output] if isinstance(output, torch.Tensor) else output
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(results):
+        raise TypeError(f"{what}(output=...) must be a tensor for a tensor input, or a list of "
+                        f"{len(results)} tensors for a list input; got {type(output).__name__}.")
+    _check_device_tensors(outputs, f"{what} output")
+    for i, (o, node, t) in enumerate(zip(outputs, results, tensors)):
+        if tuple(o.shape) != tuple(node.shape) or o.dtype != t.dtype:
+            raise ValueError(f"{what}: output {i} is {list(o.shape)} {o.dtype}; the result is "
+                             f"{list(node.shape)} {t.dtype}.")
+    for o, node in zip(outputs, results):
+        api.write(o, node)
+    return list(outputs)
+
+
+def reduce_scatter(reduce_type: str, input, scale: float, scatter_dim: int, shard_count: int,
+                   groups=None, output=None, pin_layout: bool = True):
+    """Reduces ``input`` across the replicas, times ``scale``, and gives each replica its block
+    of the result along ``scatter_dim``: replica r gets the r-th of ``shard_count`` equal blocks.
+
+    Args:
+        reduce_type: as in ``all_reduce``.
+        input: an xshard tensor, or a list of them (one collective for all).
+        scale: a factor applied to the result (floating-point tensors; 1.0 for the others).
+        scatter_dim: the dimension split into blocks; its size must be a multiple of
+            ``shard_count``.
+        shard_count: the number of replicas (``xm.xrt_world_size()``).
+        groups: None (all replicas).
+        output: None, or a tensor (a list for a list input) of the result's shape and dtype to
+            write into.
+        pin_layout: accepted for compatibility.
+
+    Returns:
+        A tensor (a list of tensors for a list input) with ``input``'s shape, ``scatter_dim``
+        divided by ``shard_count``; ``output`` when given.
+
+    Example:
+        >>> shard = xm.reduce_scatter(xm.REDUCE_SUM, grad, scale=1.0 / xm.xrt_world_size(),
+        ...                           scatter_dim=0, shard_count=xm.xrt_world_size())  # doctest: +SKIP
+    """
+    what = "xm.reduce_scatter"
+    op = _check_reduce_type(reduce_type)
+    _check_groups(groups, what)
+    single = isinstance(input, torch.Tensor)
+    if not single and not (isinstance(input, (list, tuple)) and input):
+        raise TypeError(f"{what} needs an xshard tensor or a non-empty list of them, got "
+                        f"{type(input).__name__}.")
+    tensors = [input] if single else list(input)
+    _check_device_tensors(tensors, what)
+    scale = _check_scale(scale, tensors, what)
+    n = _check_count(shard_count, "shard_count", what)
+    dims = tuple(_dim(t, scatter_dim, "scatter_dim") for t in tensors)  # per tensor's rank
+    for t, dim in zip(tensors, dims):
+        _check_divides(t, dim, n, what)
+    shapes = [[s // n if d == dim else s for d, s in enumerate(t.shape)]
+              for t, dim in zip(tensors, dims)]
+    with torch.no_grad():
+        if n == 1:
+            results = [api.value(t * scale if scale != 1.0 else t.clone()) for t in tensors]
+        else:
+            results = collectives.blocks("reduce_scatter", (op, scale, dims), tensors, shapes)
+        out = _put(results, output, tensors, what)
+    return out[0] if single else out
+
+
+def all_to_all(value: torch.Tensor, split_dimension: int, concat_dimension: int,
+               split_count: int, groups=None, pin_layout: bool = True) -> torch.Tensor:
+    """Splits ``value`` along ``split_dimension`` into ``split_count`` blocks, sends block j to
+    replica j, and concatenates the blocks received along ``concat_dimension``, in replica order.
+
+    Example:
+        >>> mine = xm.all_to_all(x, 0, 0, xm.xrt_world_size())   # doctest: +SKIP
+    """
+    what = "xm.all_to_all"
+    _check_groups(groups, what)
+    _check_device_tensors([value], what)
+    split = _dim(value, split_dimension, "split_dimension")
+    concat = _dim(value, concat_dimension, "concat_dimension")
+    n = _check_count(split_count, "split_count", what)
+    _check_divides(value, split, n, what)
+    shape = list(value.shape)
+    shape[split] //= n
+    shape[concat] *= n
+    with torch.no_grad():
+        if n == 1:
+            return value.clone()
+        (result,) = collectives.blocks("all_to_all", (split, concat), [value], [shape])
+        return api.new_tensor(result)
+
+
+def collective_permute(value: torch.Tensor, pairs) -> torch.Tensor:
+    """Sends ``value`` from replica ``source`` to replica ``target`` for each ``(source, target)``
+    in ``pairs``; a replica that is no pair's target gets zeros.
+
+    Example:
+        >>> n = xm.xrt_world_size()
+        >>> from_left = xm.collective_permute(x, [(r, (r + 1) % n) for r in range(n)])  # doctest: +SKIP
+    """
+    what = "xm.collective_permute"
+    _check_device_tensors([value], what)
+    n = _world.world_size()
+    given = pairs
+    try:
+        pairs = tuple(tuple(p) for p in pairs)
+    except TypeError:
+        pairs = None
+    if pairs is None or not all(len(p) == 2 and all(
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in p)
+            for p in pairs):
+        raise TypeError(f"{what}: pairs must be a list of (source, target) replica ordinals, "
+                        f"e.g. [[0, 1], [1, 0]]; got {given!r}.")
+    pairs = tuple((int(s), int(t)) for s, t in pairs)
+    for s, t in pairs:
+        if not (0 <= s < n and 0 <= t < n):
+            raise ValueError(f"{what}: pair {(s, t)} names a replica outside 0..{n - 1} (there "
+                             f"are {n} replicas).")
+    for k, name in ((0, "source"), (1, "target")):
+        seen = [p[k] for p in pairs]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"{what}: pairs {list(pairs)} name a {name} more than once; each "
+                             f"replica sends at most once and receives at most once.")
+    with torch.no_grad():
+        if n == 1:
+            return value.clone() if pairs else torch.zeros_like(value)
+        (result,) = collectives.blocks("collective_permute", (pairs,), [value],
+                                       [list(value.shape)])
+        return api.new_tensor(result)
+
+
+def collective_broadcast(tensors, root_ordinal: int = 0, groups=None,
+                         pin_layout: bool = True) -> None:
+    """Sets each tensor in ``tensors`` (in place) to its value on replica ``root_ordinal``.
+
+    Example:
+        >>> xm.collective_broadcast(list(model.parameters()))   # doctest: +SKIP
+    """
+    what = "xm.collective_broadcast"
+    _check_groups(groups, what)
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    _check_device_tensors(tensors, what)
+    n = _world.world_size()
+    if not 0 <= _int(root_ordinal, "root_ordinal") < n:
+        raise ValueError(f"{what}(root_ordinal={root_ordinal}): valid ordinals are 0 to {n - 1}.")
+    if n == 1 or not tensors:
+        return
+    with torch.no_grad():
+        results = collectives.blocks("broadcast", (root_ordinal,), tensors,
+                                     [list(t.shape) for t in tensors])
+        for t, node in zip(tensors, results):
+            api.write(t, node)
 
 
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
@@ -487,12 +679,10 @@ _NO_MEANING = {
     "get_replication_devices_count": "use xm.xrt_world_size()",
     "xla_real_devices": "xshard has one logical device per process; its physical devices are "
                         "xshard.devices()",
-    "reduce_scatter": "not provided: xm.all_reduce, then take this replica's slice "
-                      "(t.chunk(xm.xrt_world_size())[xm.get_ordinal()])",
-    "all_to_all": "not provided: xm.all_gather, then take this replica's part",
-    "collective_permute": "not provided: xm.all_gather, then take the source replica's part",
-    "send": "not provided: xm.all_gather (or xm.rendezvous for host bytes)",
-    "recv": "not provided: xm.all_gather (or xm.rendezvous for host bytes)",
+    "send": "XLA's channel send has no JAX counterpart; use xm.collective_permute (or "
+            "xm.rendezvous for host bytes)",
+    "recv": "XLA's channel recv has no JAX counterpart; use xm.collective_permute (or "
+            "xm.rendezvous for host bytes)",
     "get_stablehlo": "use xshard.debug to see the HLO of pending work",
     "get_stablehlo_bytecode": "use xshard.debug to see the HLO of pending work",
     "unlazy": "use xm.mark_step()",
@@ -511,6 +701,7 @@ __all__ = ["REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", 
            "xla_device", "xla_device_hw", "get_xla_supported_devices", "xrt_world_size",
            "get_ordinal", "get_local_ordinal", "is_master_ordinal", "master_print",
            "add_step_closure", "mark_step", "wait_device_ops", "optimization_barrier_",
-           "all_reduce", "all_gather", "reduce_gradients", "optimizer_step", "rendezvous",
+           "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute",
+           "collective_broadcast", "reduce_gradients", "optimizer_step", "rendezvous",
            "mesh_reduce", "do_on_ordinals", "save", "get_rng_state", "set_rng_state",
            "RateTracker"]

@@ -67,6 +67,32 @@ def _mp_fn(index, out_dir):
     g = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * index
     out["all_gather"] = [xm.all_gather(g.to(dev)).cpu().tolist(),
                          xm.all_gather(g.to(dev), dim=1).cpu().tolist()]
+    # reduce_scatter (a tensor, a list with a dim per rank, other reductions, output=),
+    # all_to_all, collective_permute (a swap, one pair: the other replica gets zeros), broadcast.
+    a = torch.arange(8, dtype=torch.float32).reshape(4, 2) + 10 * index
+    n = xm.xrt_world_size()
+    out["reduce_scatter"] = {
+        "sum": xm.reduce_scatter(xm.REDUCE_SUM, a.to(dev), 0.5, 0, n).cpu().tolist(),
+        "list": [o.cpu().tolist() for o in xm.reduce_scatter(
+            xm.REDUCE_SUM, [a.to(dev), torch.arange(6).to(dev) * r], 1.0, -1, n)],
+        "max": xm.reduce_scatter(xm.REDUCE_MAX, (a * (1 - 2 * index)).to(dev), 1.0, 1,
+                                 n).cpu().tolist(),
+        "mul": xm.reduce_scatter(xm.REDUCE_MUL, a.long().to(dev), 1.0, 0, n).cpu().tolist(),
+        "and": xm.reduce_scatter(xm.REDUCE_AND, torch.tensor([True, index == 0, True,
+                                                              False]).to(dev), 1.0, 0,
+                                 n).cpu().tolist(),
+    }
+    into = torch.zeros(4, 1).to(dev)
+    xm.reduce_scatter(xm.REDUCE_MIN, a.to(dev), 1.0, 1, n, output=into)
+    out["reduce_scatter"]["output"] = into.cpu().tolist()
+    out["all_to_all"] = [xm.all_to_all(a.to(dev), 0, 1, n).cpu().tolist(),
+                         xm.all_to_all(a.to(dev), 1, 0, n).cpu().tolist()]
+    out["permute"] = [xm.collective_permute(a.to(dev), [[0, 1], [1, 0]]).cpu().tolist(),
+                      xm.collective_permute(a.to(dev), [(0, 1)]).cpu().tolist(),
+                      xm.collective_permute(torch.tensor(float(r)).to(dev), [[1, 0]]).item()]
+    sent = [a.to(dev), torch.arange(3).to(dev) * r, torch.tensor(index == 1).to(dev)]
+    xm.collective_broadcast(sent, root_ordinal=1)
+    out["broadcast"] = [t.cpu().tolist() for t in sent]
     # Host exchanges.
     out["rendezvous"] = [p.decode() for p in xm.rendezvous("api", f"from {index}".encode())]
     out["mesh_reduce"] = xm.mesh_reduce("api", torch.tensor([float(r)]).to(dev),
