@@ -197,11 +197,13 @@ def _hardtanh_backward(grad, x, min_val, max_val):
 
 
 @rule(aten.leaky_relu)
+@in_float32
 def _leaky_relu(x, negative_slope=0.01):
     return jnp.where(x > 0, x, x * negative_slope)
 
 
 @rule(aten.leaky_relu_backward)
+@in_float32
 def _leaky_relu_backward(grad, x, negative_slope, self_is_result):
     return jnp.where(x > 0, grad, grad * negative_slope)
 
@@ -411,20 +413,24 @@ def _div(a, b, rounding_mode=None):
             return a / b
         (a, b), done = _in_opmath(a, b)
         return done(a / b)
-    a, b = promote(a, b)
     if rounding_mode == "trunc":
+        (a, b), done = _in_opmath(a, b)
         if _category(a.dtype) == _INT:
             a, b = jnp.broadcast_arrays(a, b)
             return lax.div(a, b)
-        return jnp.trunc(a / b)
+        return done(jnp.trunc(a / b))
     return _floor_divide(a, b)
 
 
 @rule(aten.floor_divide)
 def _floor_divide(a, b):
-    a, b = promote(a, b)
+    (a, b), done = _in_opmath(a, b)
     if _category(a.dtype) != _FLOAT:
         return jnp.floor_divide(a, b)
+    return done(_floor_of_quotient(a, b))
+
+
+def _floor_of_quotient(a, b):
     # ATen's (and Python's) floor division, from fmod: 0.5 // -inf is -1, 5 // 0.1 is 49 (not
     # floor(a / b): -0 and 50), and a zero quotient takes the sign of a / b.
     mod = jnp.fmod(a, b)

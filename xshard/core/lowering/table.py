@@ -47,8 +47,9 @@ def in_float32(fn):
     result rounded back to it once: ATen's CPU kernels compute 16-bit floats so ("opmath"), where
     XLA would round after every operation of a composite (sigmoid, GELU, softmax)."""
     def lower(*args, **kwargs):
-        floats = {a.dtype for a in args
-                  if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)}
+        # A Python number (a weakly typed scalar: ``alpha`` of elu) takes the arrays' dtype.
+        floats = {a.dtype for a in args if hasattr(a, "dtype") and not getattr(
+            a, "weak_type", False) and jnp.issubdtype(a.dtype, jnp.floating)}
         if len(floats) != 1 or next(iter(floats)) not in HALF_FLOATS:
             return fn(*args, **kwargs)
         half = floats.pop()
