@@ -85,8 +85,8 @@ class _Program:
     """A cached collective over given shapes and dtypes: ``run(locals) -> locals``.
 
     ``params`` are the collective's settings (see ``_BODIES``). The results of ``all_reduce``,
-    ``all_gather`` and ``broadcast`` are the same on every replica; those of ``reduce_scatter``,
-    ``all_to_all`` and ``collective_permute`` are each replica's own block.
+    ``all_gather`` and ``collective_broadcast`` are the same on every replica; those of
+    ``reduce_scatter``, ``all_to_all`` and ``collective_permute`` are each replica's own block.
     """
 
     def __init__(self, kind: str, params: tuple, signature: tuple):
@@ -188,7 +188,7 @@ _BODIES = {
     "reduce_scatter": (_scatter_body, False),  # (op, scale, dim per tensor)
     "all_to_all": (_all_to_all_body, False),  # (split dim, concat dim)
     "collective_permute": (_permute_body, False),  # ((source, target) pairs,)
-    "broadcast": (_broadcast_body, True),  # (root,)
+    "collective_broadcast": (_broadcast_body, True),  # (root,)
 }
 _DESCRIPTIONS = {  # what the multi-process check names (tensors: "2 tensors (...)")
     "all_reduce": lambda tensors, op, scale: f"{op!r} over {tensors}",
@@ -198,7 +198,7 @@ _DESCRIPTIONS = {  # what the multi-process check names (tensors: "2 tensors (..
     "all_to_all": lambda tensors, split, concat: f"{tensors}, split along dim {split}, "
                                                  f"concatenated along dim {concat}",
     "collective_permute": lambda tensors, pairs: f"{tensors}, pairs {list(pairs)}",
-    "broadcast": lambda tensors, root: f"{tensors} from replica {root}",
+    "collective_broadcast": lambda tensors, root: f"{tensors} from replica {root}",
 }
 
 
@@ -245,7 +245,7 @@ def all_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
 def blocks(kind: str, params: tuple, tensors: list, shapes: list) -> list:
     """This replica's results of a collective whose result differs per replica
     (``reduce_scatter``, ``all_to_all``, ``collective_permute``) or is the same shape as its input
-    (``broadcast``): data nodes of the given ``shapes``, one per tensor."""
+    (``collective_broadcast``): data nodes of the given ``shapes``, one per tensor."""
     results = run(kind, params, tensors)
     return [_node(r, shape, t.dtype) for r, shape, t in zip(results, shapes, tensors)]
 

@@ -364,8 +364,8 @@ def reduce_scatter(reduce_type: str, input, scale: float, scatter_dim: int, shar
         divided by ``shard_count``; ``output`` when given.
 
     Example:
-        >>> shard = xm.reduce_scatter(xm.REDUCE_SUM, grad, scale=1.0 / xm.xrt_world_size(),
-        ...                           scatter_dim=0, shard_count=xm.xrt_world_size())  # doctest: +SKIP
+        >>> n = xm.xrt_world_size()
+        >>> shard = xm.reduce_scatter(xm.REDUCE_SUM, grad, 1.0 / n, 0, n)  # doctest: +SKIP
     """
     what = "xm.reduce_scatter"
     op = _check_reduce_type(reduce_type)
@@ -422,8 +422,8 @@ def collective_permute(value: torch.Tensor, pairs) -> torch.Tensor:
     in ``pairs``; a replica that is no pair's target gets zeros.
 
     Example:
-        >>> n = xm.xrt_world_size()
-        >>> from_left = xm.collective_permute(x, [(r, (r + 1) % n) for r in range(n)])  # doctest: +SKIP
+        >>> ring = [(r, (r + 1) % xm.xrt_world_size()) for r in range(xm.xrt_world_size())]
+        >>> from_left = xm.collective_permute(x, ring)  # doctest: +SKIP
     """
     what = "xm.collective_permute"
     _check_device_tensors([value], what)
@@ -473,7 +473,7 @@ def collective_broadcast(tensors, root_ordinal: int = 0, groups=None,
     if n == 1 or not tensors:
         return
     with torch.no_grad():
-        results = collectives.blocks("broadcast", (root_ordinal,), tensors,
+        results = collectives.blocks("collective_broadcast", (root_ordinal,), tensors,
                                      [list(t.shape) for t in tensors])
         for t, node in zip(tensors, results):
             api.write(t, node)
