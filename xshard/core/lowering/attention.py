@@ -50,13 +50,14 @@ def _forward(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_deb
              scale=None, _key=None):
     s, _ = _scores(q, k, attn_bias, is_causal, scale)
     sf = s.astype(np.float32) if s.dtype != np.float64 else s
-    lse = jax.nn.logsumexp(sf, axis=-1)
     # As ATen's CPU kernel: exp(s - max) in the inputs' dtype times v, summed in float32, then
-    # divided by the sum of exp(s - max) and rounded once. Rows with every key masked give zeros.
+    # divided by the sum of exp(s - max) and rounded once. Rows with every key masked give zeros
+    # (and a logsumexp of -inf).
     top = jnp.max(sf, axis=-1, keepdims=True)
     top = jnp.where(jnp.isneginf(top), jnp.zeros((), top.dtype), top)
     weights = jnp.exp(sf - top)
     total = jnp.sum(weights, axis=-1, keepdims=True)
+    lse = (top + jnp.log(total))[..., 0]
     out = jnp.einsum("...qk,...kd->...qd", weights.astype(q.dtype), v, precision=_mm_precision(),
                      preferred_element_type=sf.dtype)
     out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1), 0).astype(q.dtype)
