@@ -400,13 +400,15 @@ class _EagerRules(torch.utils._python_dispatch.TorchDispatchMode):
             if applies(func, args):
                 raise InvalidProgram(f"known xshard bug: {reason}")
         flat = torch.utils._pytree.tree_leaves((args, kwargs))
-        if any(_has_subnormals(v) for v in flat):
-            raise InvalidProgram(f"{func} reads a subnormal float: XLA flushes them to zero (as "
-                                 f"JAX does; see the README's known limits), ATen keeps them")
         schema = func._schema
         written = [a.name for a in schema.arguments if a.alias_info is not None and
                    a.alias_info.is_write]
         bound = dict(zip([a.name for a in schema.arguments], args), **kwargs)
+        # Written arguments may hold anything (uninitialized memory a copy_ overwrites).
+        read = torch.utils._pytree.tree_leaves([v for k, v in bound.items() if k not in written])
+        if any(_has_subnormals(v) for v in read):
+            raise InvalidProgram(f"{func} reads a subnormal float: XLA flushes them to zero (as "
+                                 f"JAX does; see the README's known limits), ATen keeps them")
         targets = {v for v in flat if _is_integral(v)} | {
             bound[n].dtype for n in written
             if isinstance(bound.get(n), torch.Tensor) and _is_integral(bound[n].dtype)}
