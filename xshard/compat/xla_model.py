@@ -294,9 +294,13 @@ def all_gather(value: torch.Tensor, dim: int = 0, groups=None, output=None,
 
 
 def _int(value, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not _is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r}.")
-    return value
+    return int(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _dim(t: torch.Tensor, dim, name: str) -> int:
@@ -433,9 +437,7 @@ def collective_permute(value: torch.Tensor, pairs) -> torch.Tensor:
         pairs = tuple(tuple(p) for p in pairs)
     except TypeError:
         pairs = None
-    if pairs is None or not all(len(p) == 2 and all(
-            isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in p)
-            for p in pairs):
+    if pairs is None or not all(len(p) == 2 and all(map(_is_int, p)) for p in pairs):
         raise TypeError(f"{what}: pairs must be a list of (source, target) replica ordinals, "
                         f"e.g. [[0, 1], [1, 0]]; got {given!r}.")
     pairs = tuple((int(s), int(t)) for s, t in pairs)
