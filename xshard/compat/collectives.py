@@ -219,35 +219,27 @@ def _signature(locals_: list) -> tuple:
     return tuple((tuple(int(d) for d in x.shape), str(x.dtype)) for x in locals_)
 
 
-def run(kind: str, params: tuple, tensors: list) -> list:
-    """Collective ``kind`` (see ``_BODIES``) over ``tensors``: this replica's local result arrays,
-    at least 1-dim, one per tensor."""
+def run(kind: str, params: tuple, tensors: list, shapes: list) -> list:
+    """Collective ``kind`` (see ``_BODIES``) over ``tensors``: this replica's results, data nodes
+    (IR) of the given ``shapes``, one per tensor."""
     locals_ = [_local_array(t) for t in tensors]
-    return _program(kind, params, _signature(locals_)).run(locals_)
+    results = _program(kind, params, _signature(locals_)).run(locals_)
+    return [_node(r, shape, t.dtype) for r, shape, t in zip(results, shapes, tensors)]
 
 
 def all_reduce(op: str, tensors: list, scale: float) -> list:
     """The reduction of each tensor across the replicas, times ``scale``: data nodes (IR) with
     the results, one per tensor."""
-    results = run("all_reduce", (op, float(scale)), tensors)
-    return [_node(r, t.shape, t.dtype) for r, t in zip(results, tensors)]
+    return run("all_reduce", (op, float(scale)), tensors, [t.shape for t in tensors])
 
 
 def all_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
     """The replicas' values of ``t`` (at least 1-dim) concatenated along ``dim`` (>= 0), in
     replica order."""
-    (result,) = run("all_gather", (dim,), [t])
     shape = list(t.shape)
     shape[dim] *= mesh().devices.size
-    return api.new_tensor(_node(result, shape, t.dtype))
-
-
-def blocks(kind: str, params: tuple, tensors: list, shapes: list) -> list:
-    """This replica's results of a collective whose result differs per replica
-    (``reduce_scatter``, ``all_to_all``, ``collective_permute``) or is the same shape as its input
-    (``collective_broadcast``): data nodes of the given ``shapes``, one per tensor."""
-    results = run(kind, params, tensors)
-    return [_node(r, shape, t.dtype) for r, shape, t in zip(results, shapes, tensors)]
+    (result,) = run("all_gather", (dim,), [t], [shape])
+    return api.new_tensor(result)
 
 
 def _node(result, shape, dtype: torch.dtype):

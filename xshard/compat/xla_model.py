@@ -391,7 +391,7 @@ def reduce_scatter(reduce_type: str, input, scale: float, scatter_dim: int, shar
         if n == 1:
             results = [api.value(t * scale if scale != 1.0 else t.clone()) for t in tensors]
         else:
-            results = collectives.blocks("reduce_scatter", (op, scale, dims), tensors, shapes)
+            results = collectives.run("reduce_scatter", (op, scale, dims), tensors, shapes)
         out = _put(results, output, tensors, what)
     return out[0] if single else out
 
@@ -417,7 +417,7 @@ def all_to_all(value: torch.Tensor, split_dimension: int, concat_dimension: int,
     with torch.no_grad():
         if n == 1:
             return value.clone()
-        (result,) = collectives.blocks("all_to_all", (split, concat), [value], [shape])
+        (result,) = collectives.run("all_to_all", (split, concat), [value], [shape])
         return api.new_tensor(result)
 
 
@@ -453,7 +453,7 @@ def collective_permute(value: torch.Tensor, pairs) -> torch.Tensor:
     with torch.no_grad():
         if n == 1:
             return value.clone() if pairs else torch.zeros_like(value)
-        (result,) = collectives.blocks("collective_permute", (pairs,), [value],
+        (result,) = collectives.run("collective_permute", (pairs,), [value],
                                        [list(value.shape)])
         return api.new_tensor(result)
 
@@ -475,7 +475,7 @@ def collective_broadcast(tensors, root_ordinal: int = 0, groups=None,
     if n == 1 or not tensors:
         return
     with torch.no_grad():
-        results = collectives.blocks("collective_broadcast", (root_ordinal,), tensors,
+        results = collectives.run("collective_broadcast", (root_ordinal,), tensors,
                                      [list(t.shape) for t in tensors])
         for t, node in zip(tensors, results):
             api.write(t, node)

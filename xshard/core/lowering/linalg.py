@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from xshard.core import runtime
-from xshard.core.lowering.promotion import _INT, _category, promote
+from xshard.core.lowering.promotion import _INT, _category, promote, result_dtype
 from xshard.core.lowering.table import HALF_FLOATS, astype, rule
 
 jax = runtime.jax_module()
@@ -37,7 +37,7 @@ def _round_once(fn):
     rounding the product first, then the sum, differed from eager in a quarter of the elements of
     a bfloat16 ``nn.Linear`` with bias."""
     def lower(bias, a, b, beta=1, alpha=1):
-        dtype = promote(a, b)[0].dtype
+        dtype = result_dtype(a, b)
         out = fn(bias, a, b, beta, alpha)
         return out.astype(dtype) if out.dtype != dtype else out
     return lower
@@ -85,7 +85,7 @@ def _baddbmm(bias, a, b, beta=1, alpha=1):
 
 @rule(aten.addbmm)
 def _addbmm(bias, a, b, beta=1, alpha=1):
-    if promote(a, b)[0].dtype in HALF_FLOATS and a.shape[0] > 0:
+    if result_dtype(a, b) in HALF_FLOATS and a.shape[0] > 0:
         # ATen's CPU kernel adds one batch at a time, an addmm each, rounded each time.
         def add_one(total, pair):
             return _addmm(total, pair[0], pair[1], 1, alpha), None

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from xshard.core import runtime
-from xshard.core.lowering.table import astype, np_dtype
+from xshard.core.lowering.table import astype, is_weak, np_dtype
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -28,10 +28,6 @@ def _category(dtype) -> int:
     return _INT
 
 
-def _is_weak(x) -> bool:
-    return getattr(x, "weak_type", False) or isinstance(x, (bool, int, float, complex))
-
-
 def result_dtype(*xs):
     """PyTorch's result type: dimensioned tensors > zero-dim tensors > Python scalars (weak)."""
     from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
@@ -44,7 +40,7 @@ def result_dtype(*xs):
             continue
         if isinstance(x, (bool, int, float, complex)):
             operands.append(x)
-        elif _is_weak(x):
+        elif is_weak(x):
             operands.append({_BOOL: False, _INT: 0, _FLOAT: 0.0, _COMPLEX: 0j}[_category(x.dtype)])
         else:
             shape = () if jnp.ndim(x) == 0 else (1,)

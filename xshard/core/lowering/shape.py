@@ -119,8 +119,7 @@ def _scatter_indices(x, dim, index):
 def _scatter(x, dim, index, src):
     if not hasattr(src, "shape") or jnp.ndim(src) == 0:
         src = jnp.broadcast_to(jnp.asarray(src, x.dtype), index.shape)
-    src = src[tuple(slice(0, n) for n in index.shape)]
-    return x.at[_scatter_indices(x, dim, index)].set(src.astype(x.dtype))
+    return x.at[_scatter_indices(x, dim, index)].set(_covered(src, index).astype(x.dtype))
 
 
 @rule(aten.scatter.reduce, aten.scatter.value_reduce)
@@ -128,7 +127,7 @@ def _scatter(x, dim, index, src):
 def _scatter_with_reduce(x, dim, index, src, reduce):
     if not hasattr(src, "shape") or jnp.ndim(src) == 0:
         src = jnp.broadcast_to(jnp.asarray(src, x.dtype), index.shape)
-    src = src[tuple(slice(0, n) for n in index.shape)].astype(x.dtype)
+    src = _covered(src, index).astype(x.dtype)
     idx = _scatter_indices(x, dim, index)
     if reduce == "add":
         return _scatter_sum(x, idx, src)

@@ -42,14 +42,19 @@ def astype(x, dtype):
 HALF_FLOATS = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 
+def is_weak(x) -> bool:
+    """A Python number, or an array standing for one (weakly typed: it promotes as a number)."""
+    return getattr(x, "weak_type", False) or isinstance(x, (bool, int, float, complex))
+
+
 def in_float32(fn):
     """``fn`` computed in float32 when its floating-point arrays are all of one 16-bit dtype, each
     result rounded back to it once: ATen's CPU kernels compute 16-bit floats so ("opmath"), where
     XLA would round after every operation of a composite (sigmoid, GELU, softmax)."""
     def lower(*args, **kwargs):
         # A Python number (a weakly typed scalar: ``alpha`` of elu) takes the arrays' dtype.
-        floats = {a.dtype for a in args if hasattr(a, "dtype") and not getattr(
-            a, "weak_type", False) and jnp.issubdtype(a.dtype, jnp.floating)}
+        floats = {a.dtype for a in args if hasattr(a, "dtype") and not is_weak(a)
+                  and jnp.issubdtype(a.dtype, jnp.floating)}
         if len(floats) != 1 or next(iter(floats)) not in HALF_FLOATS:
             return fn(*args, **kwargs)
         half = floats.pop()
