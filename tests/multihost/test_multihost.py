@@ -49,7 +49,8 @@ def test_equivalence_with_one_process_fsdp_and_2d(tmp_path):
     results = run.results()
     assert results[0]["losses"] == results[1]["losses"]  # a replicated loss reads alike
     assert results[0]["specs"] == {"fsdp": "{devices=[8,1]0,1,2,3,4,5,6,7}",
-                                   "2d": "{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}"}
+                                   "2d": "{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}",
+                                   "fsdp-compiled": "{devices=[8,1]0,1,2,3,4,5,6,7}"}
     two = torch.load(path)
     sys.path.insert(0, str(SCRIPTS))
     try:
@@ -57,7 +58,7 @@ def test_equivalence_with_one_process_fsdp_and_2d(tmp_path):
         one = equivalence.main()
     finally:
         sys.path.remove(str(SCRIPTS))
-    for variant in ("fsdp", "2d"):
+    for variant in equivalence.VARIANTS:
         assert len(two[variant]["losses"]) == equivalence.STEPS
         for a, b in zip(two[variant]["losses"], one[variant]["losses"]):
             assert math.isclose(a, b, rel_tol=1e-5), (variant, two[variant]["losses"],

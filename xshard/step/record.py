@@ -500,7 +500,7 @@ class Recording:
 
     def _plan_inputs(self, program, graph, values, holding, rates, numbers, stream):
         """Where each executable input comes from on a replay."""
-        shardings = program.compiled.input_shardings[0]
+        shardings = _placed_inputs(program.compiled.input_shardings[0])
         rate_of = {id(r.input): r for r in rates}
         draws = _random_inputs(graph, stream, self.compiled.name)
         inputs, constants = [], []
@@ -541,6 +541,20 @@ class Recording:
                 f"register them as buffers, if they change.", stacklevel=user_stacklevel())
         program.inputs = inputs
         _guard_constants(program, graph)
+
+
+def _placed_inputs(shardings) -> list:
+    """Each input's sharding, replicated over the program's devices where jit left one unplaced
+    (a host scalar): the step places such a constant once, which takes a global layout when the
+    devices span processes."""
+    shardings = list(shardings)
+    some = next((s for s in shardings if s is not None), None)
+    if some is None or all(s is not None for s in shardings):
+        return shardings
+    jax = runtime.jax_module()
+    mesh = jax.sharding.Mesh(np.array(some._device_assignment, dtype=object), ("devices",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [replicated if s is None else s for s in shardings]
 
 
 def _guard_constants(program: Program, graph) -> None:

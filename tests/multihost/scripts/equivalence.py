@@ -1,4 +1,5 @@
-"""A tiny GPT trained under FSDP and under a (data, model) mesh, with per-process minibatches.
+"""A tiny GPT trained under FSDP (lazily and compiled) and under a (data, model) mesh, with
+per-process minibatches.
 
 Run as 2 processes x 4 devices (through the launcher) and as 1 process x 8 devices (the oracle,
 ``main`` called by the test), the same script must give the same losses and parameters. Each
@@ -26,6 +27,7 @@ from xshard.models.gpt import GPT, Block, GPTConfig  # noqa: E402
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
 GLOBAL_BATCH = 16
 STEPS = 3
+VARIANTS = ("fsdp", "2d", "fsdp-compiled")
 
 
 def data(rank: int, world: int) -> DataLoader:
@@ -51,7 +53,7 @@ def train(variant: str, rank: int, world: int) -> dict:
     dev = xshard.device()
     torch.manual_seed(0)
     model = GPT(CFG)
-    if variant == "fsdp":
+    if variant in ("fsdp", "fsdp-compiled"):
         mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
         model = FSDP(model, mesh=mesh, auto_wrap_policy=functools.partial(
             transformer_auto_wrap_policy, transformer_layer_cls={Block}))
@@ -64,14 +66,22 @@ def train(variant: str, rank: int, world: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     loader = xs.MpDeviceLoader(data(rank, world), dev, input_sharding=spec, prefetch=2)
     losses = []
-    for x, y in loader:
+
+    def train_step(x, y):
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
+
+    step = xshard.compile(train_step) if variant == "fsdp-compiled" else train_step
+    for x, y in loader:
+        loss = step(x, y)
         xshard.sync()
         losses.append(loss.item())
-    if variant == "fsdp":
+    if variant == "fsdp-compiled":
+        assert step.traces == 1 and step.calls == STEPS, step.retrace_reasons
+    if variant != "2d":
         params = model.state_dict()  # gathered on every process
     else:
         params = {k: v.cpu() for k, v in model.state_dict().items()}
@@ -80,7 +90,7 @@ def train(variant: str, rank: int, world: int) -> dict:
 
 def main(path=None):
     rank, world = start()
-    out = {variant: train(variant, rank, world) for variant in ("fsdp", "2d")}
+    out = {variant: train(variant, rank, world) for variant in VARIANTS}
     if path is not None and xshard.is_main_process():
         torch.save(out, path)
     report(rank=rank, losses={k: v["losses"] for k, v in out.items()},
