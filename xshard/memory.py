@@ -42,7 +42,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from xshard.core import api, compiler, execute, runtime
+from xshard.core import api, compiler, execute, ir, runtime
 from xshard.core.cells import live_cells
 from xshard.core.dtypes import to_numpy_dtype
 
@@ -231,6 +231,10 @@ def _gradient_bytes(params, step, compiled) -> int:
     for grad in _storages_of(p.grad for p in params if isinstance(p, torch.Tensor)):
         cell = api.storage(grad)
         value = cell.value
+        if type(value) is ir.PackedData:  # a member of a compiled step's packed state
+            member = value.pack.layout.members[value.member]
+            total += member.size * np.dtype(member.dtype).itemsize
+            continue
         if value.is_data:
             total += _shard_bytes(value.payload)
             continue
@@ -281,16 +285,16 @@ def live_bytes_per_device() -> dict[int, int]:
     seen = set()
     for cell in live_cells():
         node = cell.value
-        if not node.is_data or not isinstance(node.payload, jax.Array):
+        if not node.is_data:
             continue
-        array = node.payload
-        if id(array) in seen or array.is_deleted():
-            continue
-        seen.add(id(array))
-        itemsize = np.dtype(array.dtype).itemsize
-        for shard in array.addressable_shards:
-            position = runtime.position(shard.device)
-            totals[position] = totals.get(position, 0) + math.prod(shard.data.shape) * itemsize
+        for array in ir.arrays_of(node):
+            if not isinstance(array, jax.Array) or id(array) in seen or array.is_deleted():
+                continue
+            seen.add(id(array))
+            itemsize = np.dtype(array.dtype).itemsize
+            for shard in array.addressable_shards:
+                position = runtime.position(shard.device)
+                totals[position] = totals.get(position, 0) + math.prod(shard.data.shape) * itemsize
     return totals
 
 

@@ -9,11 +9,13 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import xshard
 from compile_testing import DEV, GPT_TINY, compiled_step, squared_output_step
 from xshard.core import compiler
+from xshard.step import packing
 from xshard.step import program as program_module
 from xshard.fsdp import FSDP, transformer_auto_wrap_policy
 from xshard.models import GPT
@@ -106,22 +108,40 @@ def test_an_evaluation_step_keeps_no_copy_of_the_model(monkeypatch):
     assert train_step.traces == eval_step.traces == 1
 
 
-def test_each_update_reuses_the_buffer_of_the_state_it_replaces():
+def _aliases(compiled) -> list[tuple[int, int]]:
+    """(output, input) of each buffer the executable reuses, from its HLO module header."""
+    header = compiled.as_text().split("\n", 1)[0]
+    return [(int(o), int(i)) for o, i in re.findall(r"\{(\d+)\}: \((\d+), \{\}", header)]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_each_update_reuses_the_buffer_of_the_state_it_replaces(monkeypatch, packed):
     # XLA pairs donated buffers with outputs by size; a parameter's update given another
     # parameter's buffer makes it copy both (see [Note: inputs in the order of the outputs that
     # replace them] in xshard.core.graph). FSDP shards of equal size make such pairs likely.
+    # Packed (see [Note: packed state] in xshard/step/packing.py): each pack reuses its own.
+    if not packed:
+        monkeypatch.setattr(packing, "MIN_PACKED", 10 ** 9)
     model, opt = _fsdp_gpt()
     step = compiled_step(model, opt)
     for x, y in _batches(3):
         step(x, y)
     program = step._last
-    header = program.compiled.as_text().split("\n", 1)[0]
-    aliases = [(int(o), int(i)) for o, i in re.findall(r"\{(\d+)\}: \((\d+), \{\}", header)]
-    slot_of_input = dict(program.donated)
+    slot_of_input = dict(program.donated)  # the consumed inputs not packed
     slots_of_output = {}  # AdamW's step counts: one output stored into every count
     for w in program.writes:
         slots_of_output.setdefault(w.position, set()).add(w.slot)
-    assert len(program.donated) > 40 and len(aliases) == len(program.donated)
+    aliases = _aliases(program.compiled)
+    n = len(program.packed.layouts) if packed else 0
+    assert bool(program.packed) is packed
+    if packed:  # input k of the packed executable: pack k, then the plain inputs it passes on
+        assert sum(len(layout.members) for layout in program.packed.layouts) > 40
+        assert sorted(a for a in aliases if a[0] < n) == [(g, g) for g in range(n)]
+        aliases = [(program.packed.outputs[o - n], program.packed.inputs[i - n])
+                   for o, i in aliases if o >= n]
+    else:
+        assert len(program.donated) > 40
+    assert len(aliases) == len(program.donated)
     crossed = [(o, i) for o, i in aliases
                if slot_of_input.get(i) not in slots_of_output.get(o, ())]
     assert not crossed

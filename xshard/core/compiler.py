@@ -141,7 +141,11 @@ def compile_graph(graph: Graph, lowered=None, donate=()):
     """Compiles ``graph`` (lowered already, or lowered here) with the options its ops need."""
     if lowered is None:
         lowered = lower(graph, donate=donate)
-    options = compiler_options(graph)
+    return compile_lowered(lowered, compiler_options(graph))
+
+
+def compile_lowered(lowered, options: dict):
+    """Compiles ``lowered`` with XLA ``options`` (see ``compiler_options``)."""
     if options:
         try:
             return lowered.compile(options)

@@ -305,9 +305,9 @@ def wait_all() -> None:
     compiler.drain()
     for c in live_cells():
         if settled(c.value):
-            payload = stored(c.value).payload
-            if isinstance(payload, jax.Array):
-                payload.block_until_ready()
+            for array in ir.arrays_of(stored(c.value)):  # a packed node's without cutting it
+                if isinstance(array, jax.Array):
+                    array.block_until_ready()
 
 
 def to_cpu(t) -> torch.Tensor:

@@ -13,6 +13,7 @@ op                         meaning
 =========================  =========================================================================
 ``DATA``                   device data: ``payload`` is a ``jax.Array`` (maybe in flight), or under
                            ``compile_only()`` a ``jax.ShapeDtypeStruct``; ``sharding`` its layout
+                           (a ``PackedData`` node cuts its array out of a larger one when read)
 ``SCALAR``                 a scalar that enters the graph as an input, so a value that changes every
                            step (a learning rate, an RNG counter) does not change the program;
                            ``payload`` is the Python value; weak (a Python number: promotes like one)
@@ -223,22 +224,70 @@ def data_node(array, shape, dtype, sharding=None) -> Node:
     return node
 
 
-def data_node_maker(shape, dtype, sharding):
+_PAYLOAD = Node.payload  # the slot itself (PackedData's payload is a property over it)
+
+
+def data_node_maker(shape, dtype, sharding, cls=None):
     """``array -> data_node(array, shape, dtype, sharding)`` for arrays of one shape, dtype and
     sharding, with the node's key computed once (a compiled step stores the same outputs on every
-    call; see xshard.step)."""
+    call; see xshard.step); nodes of class ``cls`` (default ``Node``)."""
     proto = data_node(None, shape, dtype, sharding)
     shape, sharding, key = proto.shape, proto.sharding, proto.key
-    new = object.__new__
+    new, cls, set_payload = object.__new__, cls or Node, _PAYLOAD.__set__
 
     def make(array) -> Node:
-        node = new(Node)
+        node = new(cls)
         node.op, node.inputs, node.template, node.shape, node.dtype = DATA, (), None, shape, dtype
-        node.outputs, node.payload, node.sharding, node.key = None, array, sharding, key
+        node.outputs, node.sharding, node.key = None, sharding, key
+        set_payload(node, array)
         node.manual, node.holders, node.placed = False, 0, None
         return node
 
     return make
+
+
+class PackedData(Node):
+    """A DATA node whose array is one member of a packed array (``pack``, member ``member``; see
+    [Note: packed state] in xshard/step/packing.py): ``payload`` cuts the pack's members out the
+    first time it is read."""
+
+    __slots__ = ("pack", "member", "__weakref__")
+
+    @property
+    def payload(self):
+        array = _PAYLOAD.__get__(self)
+        if array is None:
+            array = self.pack.member(self.member)
+            _PAYLOAD.__set__(self, array)
+        return array
+
+    @payload.setter
+    def payload(self, array):
+        _PAYLOAD.__set__(self, array)
+
+    def arrays(self) -> tuple:
+        """The array this node keeps alive: the packed one, or its own once cut out."""
+        own = _PAYLOAD.__get__(self)
+        return (self.pack.array,) if own is None else (own,)
+
+
+def packed_data_maker(shape, dtype, sharding):
+    """``(pack, member) -> PackedData``, as ``data_node_maker`` makes data nodes."""
+    make_data = data_node_maker(shape, dtype, sharding, PackedData)
+
+    def make(pack, member) -> PackedData:
+        node = make_data(None)
+        node.pack, node.member = pack, member
+        return node
+
+    return make
+
+
+def arrays_of(node: Node) -> tuple:
+    """The device arrays data node ``node`` keeps alive."""
+    if type(node) is PackedData:
+        return node.arrays()
+    return (node.payload,)
 
 
 # Equivalent jax shardings (a NamedSharding and the GSPMDSharding XLA hands back for the same

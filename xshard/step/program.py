@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
-from itertools import chain
+from itertools import chain, repeat
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ import torch.utils._pytree as pytree
 
 from xshard.core import api, arrays, compiler, divergence, ir, rng, runtime, trace
 from xshard.step import optim as optim_support
+from xshard.step import packing
 from xshard.step import state as st
 
 _DATA = ir.DATA
@@ -277,6 +278,16 @@ class Program:
         # Each optimizer's ``state`` and per-parameter state dicts when the getters were made.
         self.state_objects: list = []
         self.getters = None
+        # Packed state (see [Note: packed state] in packing.py): the plain program's traced
+        # function and XLA options until the first replay plans the packs; then a packing.Packed,
+        # or False; per pack, its layout and (slot, reference count) per member; the packs the
+        # last call stored; per pack, (member, node maker, targets) of its outputs.
+        self.plain = None
+        self.packed = None
+        self.pack_slots: list = []
+        self.packs: list = []
+        self.pack_plan: list = []
+        self.new_packs = None  # the packed arrays the running call returned
 
     # -- the objects the program expects
 
@@ -305,7 +316,7 @@ class Program:
             return f"default dtype: {self.default_dtype} -> {torch.get_default_dtype()}"
         if autocast_state() != self.autocast:
             return f"autocast (enabled, dtype): {self.autocast} -> {autocast_state()}"
-        if [m.training for m in self.flag_modules] != self.flag_values:
+        if list(map(_training, self.flag_modules)) != self.flag_values:
             for m, v in zip(self.flag_modules, self.flag_values):
                 if m.training != v:
                     return f"{type(m).__name__}.training: {v} -> {m.training}"
@@ -330,7 +341,7 @@ class Program:
             if storage is not None and api.storage_version(storage) != written:
                 return (f"a device tensor{list(shape)} the step reads as a constant (not an "
                         f"argument, parameter, buffer or optimizer state) was written")
-        if [len(d) for d in self.sized] != self.sizes:
+        if list(map(len, self.sized)) != self.sizes:
             for d, n, name in zip(self.sized, self.sizes, self.size_names):
                 if len(d) != n:
                     return f"number of {name}: {n} -> {len(d)}"
@@ -344,11 +355,13 @@ class Program:
         if getters is None:
             getters = [self.slots[i].get for i in self.guarded]
         expect, expect_version, source = self.expect, self.expect_version, self.source
+        objects = [get() for get in getters]
+        if getters is self.getters and self._unchanged(objects):
+            return self._check_shared() if self.shared else None
         requires_grad = self.requires_grad
         version, storage = api.storage_version, api.storage
         stale = None
-        for i, get in zip(self.guarded, getters):
-            obj = get()
+        for i, obj in zip(self.guarded, objects):
             if obj is expect[i]:
                 cell = source[i]
                 if cell is None:  # None or a host value
@@ -369,6 +382,18 @@ class Program:
             if getters is not self.getters:
                 self.refresh_getters()
         return self._check_shared() if self.shared else None
+
+    def _unchanged(self, objects) -> bool:
+        """Whether the guarded slots hold the objects the program left, on the same storages,
+        (not) requiring grad as then, and the inputs' storages unwritten since: the guard's loop
+        over slots, as a few passes in C (see ``refresh_getters``)."""
+        guarded, inputs = self._gather_guarded, self._gather_inputs
+        return (all(map(operator.is_, objects, guarded(self.expect)))
+                and all(map(operator.is_, api.storages(objects), guarded(self.source)))
+                and list(map(getattr, objects, repeat("requires_grad"), repeat(False)))
+                == self._guarded_requires_grad
+                and list(map(getattr, inputs(self.source), repeat("version"), repeat(None)))
+                == list(inputs(self.expect_version)))
 
     def _check_shared(self) -> str | None:
         """None when the slots that held one input's data when the step was recorded still hold
@@ -435,6 +460,10 @@ class Program:
         """Fast lookups of the guarded slots, valid while the optimizers' state dicts stay."""
         self.state_objects = self._state_objects()
         self.getters = [self.slots[i].fast_get() for i in self.guarded]
+        self._gather_guarded = _gather(self.guarded)
+        self._gather_inputs = _gather([i for i in self.guarded
+                                       if self.expect_version[i] is not None])
+        self._guarded_requires_grad = [self.requires_grad[i] for i in self.guarded]
 
     def _state_objects(self) -> list:
         objects = [opt.state for opt in self.optimizers]
@@ -462,6 +491,8 @@ class Program:
     # -- running
 
     def run(self, args):
+        if self.packed is None:
+            self._plan_packs()
         source, slots, value = self.source, self.slots, api.storage_value
         getrefcount = sys.getrefcount
         fresh = None
@@ -490,6 +521,66 @@ class Program:
         del values
         return self.store(results)
 
+    def _plan_packs(self) -> None:
+        """At the first replay: which consumed state goes in packs (see [Note: packed state])."""
+        self.packed = False
+        if self.plain is None:
+            return
+        write_to = {i: position for position, _, targets in self.write_plan for i, _ in targets}
+        kept = {a for k, a, _ in self.returns[1] if k == "new"} | set(self.placement) | set(
+            self.handles)
+        pairs, seen, unsteady = [], set(), set(self.unsteady)
+        for p, i in self.donated:
+            q = write_to.get(i)
+            if q is not None and q not in kept and q not in seen and i not in unsteady:
+                pairs.append((p, q))
+                seen.add(q)
+        values = {p: api.storage_value(self.source[i]).payload for p, i in self.donated}
+        layouts = packing.plan(values, self.compiled.out_info, pairs)
+        if not layouts:
+            self.plain = None
+            return
+        self.packed = packing.Packed(layouts, len(self.inputs), len(self.compiled.out_info))
+        slot_of = dict(self.donated)
+        packed_in = {m.input for layout in layouts for m in layout.members}
+        self.pack_slots = [(layout, [(slot_of[m.input], self.base_refs[slot_of[m.input]][0])
+                                     for m in layout.members]) for layout in layouts]
+        self.packs = [None] * len(layouts)
+        plan = {position: (maker, targets) for position, maker, targets in self.write_plan}
+        self.pack_plan = []
+        for layout in layouts:
+            entries = []
+            for k, m in enumerate(layout.members):
+                targets = plan[m.output][1]
+                w = targets[0][1]
+                entries.append((k, ir.packed_data_maker(w.shape, w.dtype, w.sharding), targets))
+            self.pack_plan.append((layout, entries))
+        packed_out = {m.output for layout in layouts for m in layout.members}
+        self.write_plan = [e for e in self.write_plan if e[0] not in packed_out]
+        self.donated = [(p, i) for p, i in self.donated if p not in packed_in]
+        self.state_inputs = [(p, i) for p, i in self.state_inputs if p not in packed_in]
+
+    def _packs(self) -> list:
+        """This call's packed arrays: those the last call stored, when their members are still
+        in place and held by nothing else, else packed anew from the members."""
+        source, value, getrefcount = self.source, api.storage_value, sys.getrefcount
+        arrays = []
+        for g, (layout, members) in enumerate(self.pack_slots):
+            pack = self.packs[g]
+            intact = pack is not None and pack.array is not None
+            for k, (i, base) in enumerate(members):
+                if not intact:
+                    break
+                node = value(source[i])
+                # A node held elsewhere keeps its value: packing anew reads (cuts) every member.
+                if type(node) is not ir.PackedData or node.pack is not pack or \
+                        node.member != k or getrefcount(node) != base:
+                    intact = False
+            arrays.append(pack.array if intact else
+                          layout.pack([value(source[i]).payload for i, _ in members]))
+            self.packs[g] = None
+        return arrays
+
     def _feed_stream(self, values, seed: int, counter: int) -> None:
         """The stream's seed and each draw's counter (see [Note: random draws in a compiled step]
         in record.py)."""
@@ -508,8 +599,21 @@ class Program:
                                   scalars and (lambda: scalars(values)))
         for position in self.copied:
             values[position] = _copy(values[position])
-        with trace.phase(trace.EXECUTE):
-            results = self.compiled(*values)
+        packed = self.packed
+        if packed:
+            packs = self._packs()
+            if packed.compiled is None:
+                inner, options = self.plain
+                packed.compile(inner, options, packs, values, [p for p, _ in self.donated],
+                               self.executable.compiled, self.name)
+                self.compiled, self.plain = packed.compiled, None
+            with trace.phase(trace.EXECUTE):
+                out = self.compiled(*packs, *[values[p] for p in packed.inputs])
+            del packs
+            self.new_packs, results = packed.results(out)
+        else:
+            with trace.phase(trace.EXECUTE):
+                results = self.compiled(*values)
         compiler.dispatched(results, self.handles)
         return results
 
@@ -541,9 +645,7 @@ class Program:
             results = list(results)
             for position in self.placement:
                 results[position] = api.placed(results[position])
-        slots, storage, expect_version = self.slots, self.storage, self.expect_version
-        write, version = api.write_data, api.storage_version
-        plan = self.write_plan
+        slots, plan = self.slots, self.write_plan
         if plan is None:  # the recording call: each Write makes its node maker from the array
             nodes = {}  # one data node per output, however many slots it goes to
             for w in self.writes:
@@ -553,15 +655,9 @@ class Program:
                 self._store(w, node)
         else:
             for position, maker, targets in plan:
-                node = maker(results[position])
-                for i, w in targets:
-                    target = storage[i]
-                    if target is not None:  # the guard saw the object the program left there
-                        write(target, node)
-                        if expect_version[i] is not None:
-                            expect_version[i] = version(target)
-                    else:
-                        self._store(w, node)
+                self._write(maker(results[position]), targets)
+            if self.new_packs is not None:
+                self._store_packs()
         for i in self.clears:
             if slots[i].get() is not None:
                 slots[i].set(None)
@@ -582,6 +678,29 @@ class Program:
             else:
                 out.append(a)
         return pytree.tree_unflatten(out, treedef)
+
+    def _write(self, node, targets) -> None:
+        """Writes ``node`` into the slots of ``targets`` (``(slot, Write)`` pairs)."""
+        storage, expect_version = self.storage, self.expect_version
+        for i, w in targets:
+            target = storage[i]
+            if target is not None:  # the guard saw the object the program left there
+                api.write_data(target, node)
+                if expect_version[i] is not None:
+                    expect_version[i] = api.storage_version(target)
+            else:
+                self._store(w, node)
+
+    def _store_packs(self) -> None:
+        """Stores the packed arrays the call returned: a ``PackedData`` node per member."""
+        arrays, self.new_packs = self.new_packs, None
+        for g, ((layout, entries), array) in enumerate(zip(self.pack_plan, arrays)):
+            pack = packing.Pack(array, layout)
+            nodes = [make(pack, k) for k, make, _ in entries]
+            for node, (_, _, targets) in zip(nodes, entries):
+                self._write(node, targets)
+            pack.hold(nodes)
+            self.packs[g] = pack
 
     def _store(self, w: Write, node) -> None:
         """Stores ``node`` (output ``w.position``) into its slot, whatever the slot holds now."""
@@ -621,6 +740,14 @@ class Program:
             self.expect[i] = _UNSTEADY
 
 
+def _gather(positions: list):
+    """``items -> tuple(items[p] for p in positions)``, in C."""
+    if len(positions) == 1:
+        p = positions[0]
+        return lambda items: (items[p],)
+    return operator.itemgetter(*positions) if positions else lambda items: ()
+
+
 def _short(obj) -> str:
     if obj is _MISSING:
         return "(deleted)"
@@ -642,6 +769,7 @@ def autocast_state() -> tuple:
     return (False, None)
 
 
+_training = operator.attrgetter("training")
 _UNSTEADY = object()  # an object no slot holds
 _MISSING = object()  # a setting deleted since the step was recorded
 _MASK = (1 << 64) - 1  # the counter is a uint64

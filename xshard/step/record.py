@@ -50,6 +50,7 @@ from xshard.core import api, arrays, capture, compiler, execute, ir, rng, runtim
 from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.graph import Graph, same_values
 from xshard.step import optim as optim_support
+from xshard.step import packing
 from xshard.step import state as st
 from xshard.step.errors import (CaptureError, CompileError, StateError, user_line,
                                  user_stacklevel)
@@ -460,6 +461,8 @@ class Recording:
         # consumes that this step must keep is passed as a copy (as a lazy sync does).
         program.donated = [(p, program.inputs[p][1]) for p in exe.donate if p in mine]
         program.copied = [p for p in exe.donate if p not in mine]
+        if len(program.donated) >= packing.MIN_PACKED:  # see [Note: packed state]
+            program.plain = (compiler.Program(graph), compiler.compiler_options(graph))
         program.prepare()
         for w in writes:
             w.position = owners[w.position]
@@ -599,7 +602,7 @@ def _held_elsewhere(wrapped) -> set:
             continue
         node = api.storage_value(storage)
         if node.op is ir.DATA:
-            held.add(id(node.payload))
+            held.update(map(id, ir.arrays_of(node)))
     return held
 
 
