@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per round and side")
     p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per side")
     p.add_argument("--warmup", type=int, default=3,
-                   help="untimed steps first (the first two record and compile)")
+                   help="untimed steps first (the first three record and compile)")
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
     p.add_argument("--lazy", action="store_true", help="also time xshard's lazy path")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -81,9 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warmup < 2:
-        p.error(f"--warmup must be at least 2 (the first step creates the optimizer state, the "
-                f"second records the steady step), got {args.warmup}")
+    if args.warmup < 3:
+        p.error(f"--warmup must be at least 3 (the first step creates the optimizer state, the "
+                f"second records the steady step, the third compiles its packed form: see "
+                f"[Note: packed state] in xshard/step/packing.py), got {args.warmup}")
     if args.devices < 8:
         p.error("--devices: the FSDP and (4, 2) meshes need 8 devices")
     return args

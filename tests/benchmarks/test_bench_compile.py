@@ -10,7 +10,7 @@ import bench_compile  # noqa: E402
 
 def test_compiled_step_matches_jax_in_every_layout():
     args = bench_compile.parse_args(["--model", "tiny", "--steps", "1", "--rounds", "1",
-                                     "--warmup", "2", "--lazy"])
+                                     "--warmup", "3", "--lazy"])
     results = bench_compile.main(args)
     assert [r["mode"] for r in results] == ["fsdp", "fsdp-free", "fsdp-keep", "2d"]
     for r in results:

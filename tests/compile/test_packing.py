@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import xshard
+import xshard.checkpoint as xcp
 import xshard.spmd as xs
 from compile_testing import (DEV, GPT_TINY, assert_models_close, assert_state_close,
                              compiled_step, make_batches, make_model, train_compiled, train_lazy)
@@ -248,3 +249,22 @@ def test_small_or_large_state_is_not_packed(monkeypatch):
     assert len(members) >= packing.MIN_PACKED and all(m.size * 4 <= 4096 for m in members)
     assert type(_node(model.blocks[0].attn.qkv.weight)) is not ir.PackedData
     assert type(_node(model.blocks[0].ln_1.weight)) is ir.PackedData
+
+
+def test_checkpoint_saves_and_loads_packed_state(tmp_path):
+    (m1, o1), (m2, o2) = _twins(_fsdp)
+    data = make_batches("gpt", 6)
+    step = compiled_step(m2, o2)
+    lazy = train_lazy(m1, o1, data[:3])
+    compiled = train_compiled(step, data[:3])
+    assert type(_node(m2.blocks[0].ln_1.weight)) is ir.PackedData
+    xcp.save({"model": m2.state_dict()}, tmp_path / "ckpt")  # reads the packed parameters
+    lazy += train_lazy(m1, o1, data[3:4])
+    compiled += train_compiled(step, data[3:4])
+    for m in (m1, m2):  # back to the saved parameters, written into the packed ones in place
+        xcp.load({"model": m.state_dict()}, tmp_path / "ckpt")
+    lazy += train_lazy(m1, o1, data[4:])
+    compiled += train_compiled(step, data[4:])
+    torch.testing.assert_close(compiled, lazy, **ADAM_TOL)
+    assert_models_close(m1, m2, **ADAM_TOL)
+    assert step.traces == 2

@@ -536,11 +536,12 @@ class Program:
                 pairs.append((p, q))
                 seen.add(q)
         values = {p: api.storage_value(self.source[i]).payload for p, i in self.donated}
-        layouts = packing.plan(values, self.compiled.out_info, pairs)
+        outputs = self.executable.compiled.out_info
+        layouts = packing.plan(values, outputs, pairs)
         if not layouts:
             self.plain = None
             return
-        self.packed = packing.Packed(layouts, len(self.inputs), len(self.compiled.out_info))
+        self.packed = packing.Packed(layouts, len(self.inputs), len(outputs))
         slot_of = dict(self.donated)
         packed_in = {m.input for layout in layouts for m in layout.members}
         self.pack_slots = [(layout, [(slot_of[m.input], self.base_refs[slot_of[m.input]][0])
