@@ -14,7 +14,7 @@ import torch.nn as nn
 import xshard
 import xshard.checkpoint as xcp
 import xshard.spmd as xs
-from compile_testing import (DEV, GPT_TINY, assert_models_close, assert_state_close,
+from compile_testing import (DEV, assert_models_close, assert_state_close,
                              compiled_step, make_batches, make_model, train_compiled, train_lazy)
 from xshard.core import api, ir
 from xshard.fsdp import FSDP, transformer_auto_wrap_policy

@@ -16,7 +16,6 @@ Terms (see [Note: cells and views] in ``xshard.core.cells``):
 from __future__ import annotations
 
 import operator
-from itertools import repeat
 
 import torch
 
@@ -57,11 +56,6 @@ def is_view(t: XTensor) -> bool:
 # or use as a dict key). An attrgetter, not a function: a compiled step's guard calls it for
 # every tensor of the state on every call.
 storage = operator.attrgetter("_cell")
-
-
-def storages(objects) -> list:
-    """The storage of each of ``objects`` (None for one that is not a device tensor)."""
-    return list(map(getattr, objects, repeat("_cell"), repeat(None)))
 
 
 def annotation(t: XTensor):
@@ -217,9 +211,9 @@ def write_storage(storage, node: ir.Node) -> None:
     storage.write(node)
 
 
-# write_data(storage, node): ``write_storage`` for a data node, faster when the storage holds data
-# already (the method itself: a compiled step calls it for every tensor it stores on every call).
-write_data = cells.Cell.write_data
+def write_data(storage, node: ir.Node) -> None:
+    """``write_storage`` for a data node, faster when the storage holds data already."""
+    storage.write_data(node)
 
 
 def live_storages() -> list:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
-from itertools import chain, repeat
+from itertools import chain
 
 import numpy as np
 import torch
@@ -316,7 +316,7 @@ class Program:
             return f"default dtype: {self.default_dtype} -> {torch.get_default_dtype()}"
         if autocast_state() != self.autocast:
             return f"autocast (enabled, dtype): {self.autocast} -> {autocast_state()}"
-        if list(map(_training, self.flag_modules)) != self.flag_values:
+        if [m.training for m in self.flag_modules] != self.flag_values:
             for m, v in zip(self.flag_modules, self.flag_values):
                 if m.training != v:
                     return f"{type(m).__name__}.training: {v} -> {m.training}"
@@ -341,7 +341,7 @@ class Program:
             if storage is not None and api.storage_version(storage) != written:
                 return (f"a device tensor{list(shape)} the step reads as a constant (not an "
                         f"argument, parameter, buffer or optimizer state) was written")
-        if list(map(len, self.sized)) != self.sizes:
+        if [len(d) for d in self.sized] != self.sizes:
             for d, n, name in zip(self.sized, self.sizes, self.size_names):
                 if len(d) != n:
                     return f"number of {name}: {n} -> {len(d)}"
@@ -355,13 +355,11 @@ class Program:
         if getters is None:
             getters = [self.slots[i].get for i in self.guarded]
         expect, expect_version, source = self.expect, self.expect_version, self.source
-        objects = [get() for get in getters]
-        if getters is self.getters and self._unchanged(objects):
-            return self._check_shared() if self.shared else None
         requires_grad = self.requires_grad
         version, storage = api.storage_version, api.storage
         stale = None
-        for i, obj in zip(self.guarded, objects):
+        for i, get in zip(self.guarded, getters):
+            obj = get()
             if obj is expect[i]:
                 cell = source[i]
                 if cell is None:  # None or a host value
@@ -382,18 +380,6 @@ class Program:
             if getters is not self.getters:
                 self.refresh_getters()
         return self._check_shared() if self.shared else None
-
-    def _unchanged(self, objects) -> bool:
-        """Whether the guarded slots hold the objects the program left, on the same storages,
-        (not) requiring grad as then, and the inputs' storages unwritten since: the guard's loop
-        over slots, as a few passes in C (see ``refresh_getters``)."""
-        guarded, inputs = self._gather_guarded, self._gather_inputs
-        return (all(map(operator.is_, objects, guarded(self.expect)))
-                and all(map(operator.is_, api.storages(objects), guarded(self.source)))
-                and list(map(getattr, objects, repeat("requires_grad"), repeat(False)))
-                == self._guarded_requires_grad
-                and list(map(getattr, inputs(self.source), repeat("version"), repeat(None)))
-                == list(inputs(self.expect_version)))
 
     def _check_shared(self) -> str | None:
         """None when the slots that held one input's data when the step was recorded still hold
@@ -460,10 +446,6 @@ class Program:
         """Fast lookups of the guarded slots, valid while the optimizers' state dicts stay."""
         self.state_objects = self._state_objects()
         self.getters = [self.slots[i].fast_get() for i in self.guarded]
-        self._gather_guarded = _gather(self.guarded)
-        self._gather_inputs = _gather([i for i in self.guarded
-                                       if self.expect_version[i] is not None])
-        self._guarded_requires_grad = [self.requires_grad[i] for i in self.guarded]
 
     def _state_objects(self) -> list:
         objects = [opt.state for opt in self.optimizers]
@@ -741,14 +723,6 @@ class Program:
             self.expect[i] = _UNSTEADY
 
 
-def _gather(positions: list):
-    """``items -> tuple(items[p] for p in positions)``, in C."""
-    if len(positions) == 1:
-        p = positions[0]
-        return lambda items: (items[p],)
-    return operator.itemgetter(*positions) if positions else lambda items: ()
-
-
 def _short(obj) -> str:
     if obj is _MISSING:
         return "(deleted)"
@@ -770,7 +744,6 @@ def autocast_state() -> tuple:
     return (False, None)
 
 
-_training = operator.attrgetter("training")
 _UNSTEADY = object()  # an object no slot holds
 _MISSING = object()  # a setting deleted since the step was recorded
 _MASK = (1 << 64) - 1  # the counter is a uint64
