@@ -52,6 +52,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from xshard.core import api, arrays, compiler, divergence, ir, rng, runtime, trace
+from xshard.step import host
 from xshard.step import optim as optim_support
 from xshard.step import packing
 from xshard.step import state as st
@@ -266,6 +267,8 @@ class Program:
         self.held_names: list = []  # (name, how many entries it had)
         # (weak reference, version, shape) of each storage holding data the program built in
         self.constant_storages: list = []
+        # The same for the CPU tensors the step read (see [Note: host tensors a step reads]).
+        self.host_tensors: list = []
         # Slots holding a parameter when the step was recorded: slot -> that parameter. Its
         # gradient and optimizer state were found through the object, so another one there is
         # another program.
@@ -338,9 +341,14 @@ class Program:
             return self._held_difference()
         for ref, written, shape in self.constant_storages:
             storage = ref()
-            if storage is not None and api.storage_version(storage) != written:
+            if storage is None or api.storage_version(storage) != written:
                 return (f"a device tensor{list(shape)} the step reads as a constant (not an "
-                        f"argument, parameter, buffer or optimizer state) was written")
+                        f"argument, parameter, buffer or optimizer state) was "
+                        f"{'freed (replaced by another?)' if storage is None else 'written'}")
+        if self.host_tensors:
+            reason = host.changed(self.host_tensors)
+            if reason:
+                return reason
         if [len(d) for d in self.sized] != self.sizes:
             for d, n, name in zip(self.sized, self.sizes, self.size_names):
                 if len(d) != n:

@@ -49,6 +49,7 @@ import torch.utils._pytree as pytree
 from xshard.core import api, arrays, capture, compiler, execute, ir, rng, runtime, trace
 from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.graph import Graph, same_values
+from xshard.step import host
 from xshard.step import optim as optim_support
 from xshard.step import packing
 from xshard.step import state as st
@@ -162,8 +163,9 @@ class Recording:
                        for opt in roots.optimizers]
         stream = rng.position()  # see [Note: random draws in a compiled step]
         try:
+            host_reads = host.HostReads()
             with capture.capturing(_Owner(compiled, bool(numbers))), \
-                    optim_support.graph_paths(roots.optimizers):
+                    optim_support.graph_paths(roots.optimizers), host_reads:
                 out = compiled.fn(*fn_args, **fn_kwargs)
             self._check_host_state(rates, program.groups, slots, host_values)
             program.draws = self._draws(stream)
@@ -187,11 +189,27 @@ class Recording:
             del out
             planned = self._plan(program, entry, exits, wrapped, rates, numbers, result_box,
                                  stream)
+            # After _plan dropped the result: what its autograd graph held is gone.
+            program.host_tensors = host_reads.guarded(name)
         except BaseException:
             self._undo(slots, entry, wrapped, rates, saved_state, program.groups)
             rng.set_position(*stream)
             raise
-        return program, self._first_run(program, planned, exits, wrapped)
+        result = self._first_run(program, planned, exits, wrapped)
+        # Only what outlives the recording is guarded: what dies later was replaced. (Data made
+        # inside the step, a CPU tensor ``.to(device)``, is a constant of its code.)
+        program.constant_storages = [c for c in program.constant_storages if c[0]() is not None]
+        program.host_tensors = [h for h in program.host_tensors if h[0]() is not None]
+        constants = [shape for _, _, shape in program.constant_storages if shape]
+        if constants:
+            shapes = ", ".join(str(list(shape)) for shape in constants[:4])
+            warnings.warn(
+                f"xshard.compile({name}): the step reads {len(constants)} device tensor(s) that "
+                f"are not arguments, parameters, buffers or optimizer state (shapes {shapes}); "
+                f"their current values are built into the compiled step, which is recorded again "
+                f"when one is changed or freed. Pass them as arguments, or register them as "
+                f"buffers, if they change.", stacklevel=user_stacklevel())
+        return program, result
 
     # -- checks
 
@@ -506,7 +524,7 @@ class Recording:
         shardings = _placed_inputs(program.compiled.input_shardings[0])
         rate_of = {id(r.input): r for r in rates}
         draws = _random_inputs(graph, stream, self.compiled.name)
-        inputs, constants = [], []
+        inputs = []
         for k, node in enumerate(graph.inputs):
             if id(node) in holding:
                 i, *others = holding[id(node)]
@@ -532,16 +550,6 @@ class Recording:
                     value = arrays.put(np.asarray(value), shardings[k], "a compiled step's "
                                        "constant")
                 inputs.append(("constant", value, host))
-                if node.op is ir.DATA and len(node.shape) > 0:
-                    constants.append(node)
-        if constants:
-            shapes = ", ".join(str(list(n.shape)) for n in constants[:4])
-            warnings.warn(
-                f"xshard.compile({self.compiled.name}): the step reads {len(constants)} device "
-                f"tensor(s) that are not arguments, parameters, buffers or optimizer state "
-                f"(shapes {shapes}); their current values are built into the compiled step, "
-                f"which is recorded again when one is changed. Pass them as arguments, or "
-                f"register them as buffers, if they change.", stacklevel=user_stacklevel())
         program.inputs = inputs
         _guard_constants(program, graph)
 

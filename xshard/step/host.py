@@ -1,0 +1,111 @@
+"""The CPU tensors a step reads while it is recorded.
+
+[Note: host tensors a step reads]
+A CPU tensor the step reads (a loss weight in its closure, a module's plain tensor attribute,
+Adam's ``betas`` given as tensors: ``scale.to(device)``, ``1 - beta1``) reaches the program as a
+constant: the recording reads its value once, and a replay runs none of the step's Python. So
+while a step is recorded a ``TorchFunctionMode`` notes every CPU tensor any torch function
+receives, with its version counter (shared by a tensor and its views: a view's base is noted).
+When the step returns, those still alive are the ones that outlive it:
+
+- written while the step ran (``count += 1`` on a CPU tensor): a replay would not write it, so the
+  recording is refused, naming the line;
+- otherwise the guard compares each one's version on every call, and a write since (``fill_``,
+  ``copy_``, ``+=``) or its death (an attribute or name bound to a new tensor) records the step
+  again, with a log line saying which tensor.
+
+Tensors created and dropped inside the step (``torch.arange(n)``, ``1 - beta1`` itself) are
+constants of its code and need no guard.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from xshard.core import api
+from xshard.step.errors import CaptureError, user_line
+
+
+class HostReads(TorchFunctionMode):
+    """Notes the CPU tensors torch functions receive, and where one of them is written."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict = {}  # id(base) -> (weak reference, version when first seen, shape)
+        self.written: dict = {}  # id(base) -> the user's line that wrote it first
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bases = []
+        for x in _tensors(args, kwargs):
+            base = x if x._base is None else x._base
+            key = id(base)
+            stamp = _stamp(base)
+            if key not in self.seen:
+                self.seen[key] = (weakref.ref(base), stamp, tuple(base.shape))
+            bases.append((key, base, stamp))
+        out = func(*args, **kwargs)
+        for key, base, stamp in bases:
+            if not _same(base, stamp) and key not in self.written:
+                self.written[key] = user_line()
+        return out
+
+    def guarded(self, name: str) -> list:
+        """``(weak reference, version, shape)`` of each noted tensor that outlives the step;
+        raises if the step wrote one."""
+        out = []
+        for key, (ref, stamp, shape) in self.seen.items():
+            base = ref()
+            if base is None:
+                continue
+            if not _same(base, stamp):
+                raise CaptureError(
+                    f"xshard.compile({name}): the step writes a CPU tensor of shape {list(shape)} "
+                    f"that outlives it (at {self.written.get(key, 'an unknown line')}). A replay "
+                    f"runs none of the step's Python, so only the recording would write it. Keep "
+                    f"it on the device (a buffer, or .to(xshard.device())), or update it outside "
+                    f"the step.")
+            out.append((ref, stamp, shape))
+        return out
+
+
+def _tensors(args, kwargs):
+    """The CPU tensors among ``args`` and ``kwargs`` (one level of lists and tuples deep)."""
+    for group in (args, kwargs.values()):
+        for x in group:
+            if type(x) in (list, tuple):
+                yield from (v for v in x if _is_host(v))
+            elif _is_host(x):
+                yield x
+
+
+def _is_host(x) -> bool:
+    return isinstance(x, torch.Tensor) and not api.is_device_tensor(x) and \
+        x.device.type == "cpu"
+
+
+def _stamp(t: torch.Tensor):
+    """What tells a later write to ``t``: its version counter, or for an inference tensor (which
+    has none) a copy of its value."""
+    return t.clone() if t.is_inference() else t._version
+
+
+def _same(t: torch.Tensor, stamp) -> bool:
+    if type(stamp) is int:
+        return t._version == stamp
+    return t.shape == stamp.shape and torch.equal(t, stamp)
+
+
+def changed(tensors) -> str | None:
+    """What changed among the guarded ``tensors`` (see ``HostReads.guarded``), or None."""
+    for ref, stamp, shape in tensors:
+        base = ref()
+        if base is None:
+            return (f"a CPU tensor of shape {list(shape)} the step reads was freed (replaced by "
+                    f"another?)")
+        if not _same(base, stamp):
+            return f"a CPU tensor of shape {list(shape)} the step reads was written"
+    return None
