@@ -211,3 +211,54 @@ def test_number_used_as_a_number(trained):
         xshard.compile(repeat)(x, 2)
     out = xshard.compile(repeat, static_argnums=1)(x, 2)
     torch.testing.assert_close(out.cpu(), torch.tanh(torch.tanh(x)).cpu())
+
+
+def test_argument_with_autograd_history_is_refused(trained):
+    """A device copy of a CPU leaf that requires grad: backward inside the step would flow out of
+    it (the recording aborted the interpreter inside the autograd engine)."""
+    model, opt, x, y = trained
+    x_cpu = make_batches("mlp", 1)[0][0].requires_grad_(True)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(StateError, match=r"argument 0 has autograd history .*ToCopyBackward0"
+                                         r".*x\.detach\(\)"):
+        xshard.compile(step)(x_cpu.to(DEV), y)
+    step(x_cpu.to(DEV), y)  # the lazy path backpropagates into the CPU leaf, as eager does
+    assert x_cpu.grad is not None and x_cpu.grad.abs().sum() > 0
+
+
+def test_returned_gradient_of_an_argument():
+    """The step returns ``x.grad`` of an argument that requires grad: each call returns the right
+    gradient (the second call's recording failed: the first call's ``x.grad`` stayed pending on
+    consumed arrays); the first call's ``x.grad`` itself is not updated, and reading it says so."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss, x.grad
+
+        fn = xshard.compile(step) if compiled else step
+        out, first = [], None
+        for x, y in make_batches("mlp", 4):
+            x = x.to(device).requires_grad_(True)
+            first = first if first is not None else x
+            loss, grad = fn(x, y.to(device))
+            out.append((loss.item(), grad.cpu()))
+        return out, first
+
+    (cpu, _), (dev, first) = run("cpu", False), run(DEV, True)
+    for (a, ga), (b, gb) in zip(cpu, dev):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-6)
+    with pytest.raises(StateError, match="Use the tensor the call returned"):
+        first.grad.cpu()

@@ -107,6 +107,7 @@ class Recording:
         self.compiled = compiled
         self.args = args  # the Arguments of this call
         self.call_args, self.call_kwargs = call_args, call_kwargs
+        self.returned = []  # weak references to the storages of the tensors the step returned
 
     def run(self):
         compiled, args = self.compiled, self.args
@@ -116,6 +117,14 @@ class Recording:
         optim_support.make_capturable(roots.optimizers)
         api.sync()
         leaves = list(args.leaves)
+        for i in args.tensor_positions():
+            if leaves[i].grad_fn is not None:
+                raise StateError(
+                    f"xshard.compile({name}): {args.name(i)} has autograd history from outside "
+                    f"the step (grad_fn={type(leaves[i].grad_fn).__name__}): a replay cannot "
+                    f"backpropagate into the graph that made it, or into the tensors it came from. "
+                    f"Pass it detached (x.detach(), then requires_grad_() inside the step if the "
+                    f"step needs its gradient), or run this step without xshard.compile.")
         arg_slots = []
         for i in args.tensor_positions():
             slot = st.ArgSlot(i, args.name(i))
@@ -196,6 +205,7 @@ class Recording:
             rng.set_position(*stream)
             raise
         result = self._first_run(program, planned, exits, wrapped)
+        self._quarantine_returned_elsewhere()
         # Only what outlives the recording is guarded: what dies later was replaced. (Data made
         # inside the step, a CPU tensor ``.to(device)``, is a constant of its code.)
         program.constant_storages = [c for c in program.constant_storages if c[0]() is not None]
@@ -210,6 +220,22 @@ class Recording:
                 f"when one is changed or freed. Pass them as arguments, or register them as "
                 f"buffers, if they change.", stacklevel=user_stacklevel())
         return program, result
+
+    def _quarantine_returned_elsewhere(self) -> None:
+        """A tensor the step returned that something else still holds (``x.grad`` of an argument
+        that requires grad, a list): its recorded value stays pending on inputs the program may
+        have consumed, and a replay returns a new tensor without updating it. Reading it raises,
+        and a sync leaves it out (it made the next call's sync fail on a deleted array)."""
+        pending = {id(s) for s in api.pending_storages()}
+        error = StateError(
+            f"this tensor was returned by xshard.compile({self.compiled.name}) and is also held "
+            f"elsewhere (an argument's .grad, a list); a compiled step returns a new tensor on "
+            f"each call and does not update this one. Use the tensor the call returned.")
+        for ref in self.returned:
+            storage = ref()
+            if storage is not None and id(storage) in pending:
+                api.quarantine(storage, error)
+        self.returned = []
 
     # -- checks
 
@@ -384,6 +410,7 @@ class Recording:
                 returns.append(("view", exit_storage[id(api.storage(leaf))], api.view_spec(leaf)))
             elif api.is_device_tensor(leaf):
                 accounted.add(id(api.storage(leaf)))
+                self.returned.append(weakref.ref(api.storage(leaf)))
                 pairs.append((api.value(leaf), None))
                 returns.append(("new", len(pairs) - 1, (tuple(leaf.shape), leaf.dtype)))
             else:
