@@ -483,3 +483,15 @@ def test_default_placed_data_copied_to_a_sub_mesh_once(monkeypatch):
     buffers = {s.device: s.data.unsafe_buffer_pointer() for s in source}
     assert all(s.data.unsafe_buffer_pointer() == buffers[s.device]
                for s in placed.addressable_shards)
+
+
+@pytest.mark.parametrize("spec", [(None, "model"), ("data", None), (None, ("data", "model"))])
+def test_empty_tensor_sharded_unevenly_reads_back(spec):
+    """A zero-sized tensor sharded on a dim that does not divide (5 over 2 or 8): reading it
+    raised numpy's broadcast error from assembling the padded shards."""
+    x = torch.zeros(0, 5)
+    d = x.to(DEV)
+    xs.mark_sharding(d, mesh_2d(), spec)
+    got = (d + 1).cpu()
+    assert got.shape == (0, 5) and got.dtype == torch.float32
+    assert d.cpu().shape == (0, 5)

@@ -324,6 +324,8 @@ def to_cpu(t) -> torch.Tensor:
         raise RuntimeError(
             "This tensor holds per-device shards inside a manual sharding region; close the region "
             "with xshard.spmd.disable_manual_sharding(t, spec, full_shape) to read its value.")
+    if 0 in node.shape:  # nothing to read (jax cannot assemble an empty array padded unevenly)
+        return torch.empty(node.shape, dtype=node.dtype)
     array = node.payload if node.op is ir.DATA else evaluate([node])[0]
     # A collective when no process holds all of it; cropped when padded (an uneven sharding).
     with trace.phase(trace.FROM_DEVICE):
