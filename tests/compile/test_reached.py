@@ -174,11 +174,12 @@ def test_trainer_tensor_attributes_are_state():
     assert dev[2].traces == 1
 
 
-@pytest.mark.parametrize("where", ["host tensor lr", "device tensor lr", "tensor in a list"])
+@pytest.mark.parametrize("where", ["host tensor lr", "device tensor lr", "tensor in a list",
+                                   "tensor in a list replaced"])
 def test_tensors_outside_the_state_changed_in_place(where):
     """A learning rate given as a tensor and changed in place (the replay kept the old rate), and
-    a device tensor the step reads from a list (built in as a constant: a change to it records the
-    step again; before, the replay kept its old value)."""
+    a device tensor the step reads from a list (built in as a constant: a change to it, or its
+    replacement, which frees it, records the step again; before, the replay kept its old value)."""
     def run(device, compiled):
         torch.manual_seed(0)
         model = MLP().to(device)
@@ -198,7 +199,9 @@ def test_tensors_outside_the_state_changed_in_place(where):
         step = xshard.compile(train_step) if compiled else train_step
         losses = []
         for i, (x, y) in enumerate(make_batches("mlp", 4)):
-            if i == 2:
+            if i == 2 and where == "tensor in a list replaced":
+                weights[0] = torch.full((4,), 0.05).to(device)
+            elif i == 2:
                 changed = lr if "lr" in where else weights[0]
                 changed.fill_(0.05)
             losses.append(step(x.to(device), y.to(device)).item())
@@ -212,6 +215,7 @@ def test_tensors_outside_the_state_changed_in_place(where):
         assert dev[2].traces == 1  # read on every call
     else:
         assert dev[2].traces == 2 and "reads as a constant" in dev[2].retrace_reasons[0]
+        assert ("freed" if "replaced" in where else "written") in dev[2].retrace_reasons[0]
 
 
 @pytest.mark.parametrize("wrap", ["plain", "FSDP"])
