@@ -151,3 +151,16 @@ def test_default_dtype_and_scalar_types():
         assert_same(torch.arange(3.0, device=DEV), torch.arange(3.0))
     finally:
         torch.set_default_dtype(prev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_half_norms_accumulate_in_float32(dtype, p):
+    """|x|**p of float16 values near 300 overflows float16: ATen's norms accumulate in float32
+    (xshard's returned inf, and F.normalize zeros)."""
+    x = torch.tensor([300.0, 400.0, 1.0], dtype=dtype)
+    d = x.to(xshard.device())
+    torch.testing.assert_close(d.norm(p=p).cpu(), x.norm(p=p))
+    torch.testing.assert_close(torch.nn.functional.normalize(d, dim=0).cpu(),
+                               torch.nn.functional.normalize(x, dim=0))
+    torch.testing.assert_close(torch._foreach_norm([d], p)[0].cpu(), torch._foreach_norm([x], p)[0])

@@ -194,11 +194,17 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
         return jnp.min(a, axis=axis, keepdims=keepdim)
     if ord == 0:
         return jnp.sum((a != 0).astype(x.dtype), axis=axis, keepdims=keepdim)
+    # float16 / bfloat16 accumulate in float32, as ATen's norms do (|x|**2 of 300 overflows float16)
+    out_dtype = a.dtype
+    if out_dtype in (jnp.float16, jnp.bfloat16):
+        a = a.astype(jnp.float32)
     if ord == 1:
-        return jnp.sum(a, axis=axis, keepdims=keepdim)
-    if ord == 2:
-        return jnp.sqrt(jnp.sum(a * a, axis=axis, keepdims=keepdim))
-    return jnp.sum(a ** ord, axis=axis, keepdims=keepdim) ** (1.0 / ord)
+        out = jnp.sum(a, axis=axis, keepdims=keepdim)
+    elif ord == 2:
+        out = jnp.sqrt(jnp.sum(a * a, axis=axis, keepdims=keepdim))
+    else:
+        out = jnp.sum(a ** ord, axis=axis, keepdims=keepdim) ** (1.0 / ord)
+    return out.astype(out_dtype)
 
 
 @rule(aten.cumsum)
