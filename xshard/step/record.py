@@ -572,11 +572,11 @@ class Recording:
             else:
                 # A constant, placed once: a host value would be copied on every call.
                 value = values[k]
-                host = node.payload if node.op is ir.SCALAR else None
+                number = node.payload if node.op is ir.SCALAR else None
                 if not isinstance(value, runtime.jax_module().Array):
                     value = arrays.put(np.asarray(value), shardings[k], "a compiled step's "
                                        "constant")
-                inputs.append(("constant", value, host))
+                inputs.append(("constant", value, number))
         program.inputs = inputs
         _guard_constants(program, graph)
 
