@@ -32,11 +32,7 @@ def _run(device, compiled, change, steps=5):
     scale = torch.tensor(1.0)
 
     def train_step(x, y):
-        loss = model(x, y) * scale.to(x.device)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+        return train_update(lambda x, y: model(x, y) * scale.to(x.device), opt, x, y)
 
     step = xshard.compile(train_step) if compiled else train_step
     losses = []
