@@ -4,6 +4,8 @@ Changed in place or replaced between calls, each compiled call computes what eag
 does; before, the replay kept the values of the recording (a silent wrong answer). A step that
 writes a CPU tensor outliving it is refused."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 
 import xshard
 from compile_testing import DEV, MLP, assert_same_run, make_batches, train_update
+from xshard.step import host
 from xshard.step.errors import CaptureError
 
 
@@ -130,3 +133,17 @@ def test_host_tensors_made_inside_the_step_need_no_guard():
     cpu, dev = run("cpu", False), run(DEV, True)
     assert_same_run(cpu, dev)
     assert dev[2].traces == 1
+
+
+def test_host_tensor_under_a_freed_tensors_id_is_noted():
+    """A tensor whose id a tensor freed earlier in the recording had (ids are reused) is noted
+    afresh: before, it went unnoticed, and a write to it was not refused."""
+    reads = host.HostReads()
+    counter = torch.zeros(())
+    freed = torch.ones(())
+    reads.seen[id(counter)] = (weakref.ref(freed), 0, ())  # as if `freed` had had this id
+    del freed
+    with reads:
+        counter.add_(1)
+    with pytest.raises(CaptureError, match=r"writes a CPU tensor of shape \[\]"):
+        reads.guarded("step")

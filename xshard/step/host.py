@@ -44,8 +44,10 @@ class HostReads(TorchFunctionMode):
             base = x if x._base is None else x._base
             key = id(base)
             stamp = _stamp(base)
-            if key not in self.seen:
+            noted = self.seen.get(key)
+            if noted is None or noted[0]() is not base:  # new, or a dead tensor's id reused
                 self.seen[key] = (weakref.ref(base), stamp, tuple(base.shape))
+                self.written.pop(key, None)
             bases.append((key, base, stamp))
         out = func(*args, **kwargs)
         for key, base, stamp in bases:
