@@ -242,6 +242,38 @@ def test_adamw_step_counts_are_stored_once(foreach):
     assert dev[2].traces == 4
 
 
+class _Counting(MLP):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, y):
+        self.calls = self.calls + 1  # equal to Adam's step count after every call
+        return super().forward(x, y)
+
+
+def test_equal_scalars_the_step_writes_apart_are_read_apart():
+    """A buffer counting calls and Adam's step counts hold one value at entry, so the recording
+    reads them as one input; the step writes them apart, and the next recording keeps them apart.
+    It joined them again, and every call recorded the step again."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = _Counting().to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=device != "cpu")
+        fn = _sgd_step(model, opt)
+        step = xshard.compile(fn) if compiled else fn
+        losses = [step(x.to(device), y.to(device)).item() for x, y in make_batches("mlp", 6)]
+        return losses, [p.detach().cpu() for p in model.parameters()], model.calls.cpu(), step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert dev[2].item() == cpu[2].item() == 6
+    # State created, then joined (apart after the call), then apart for good.
+    assert dev[3].traces == 3, dev[3].retrace_reasons
+
+
 class _Scaled(nn.Module):
     def __init__(self):
         super().__init__()

@@ -24,10 +24,13 @@ def is_open() -> bool:
     return bool(_OPEN)
 
 
-def check_read(what: str) -> None:
-    """Called where core would compute and read a value (``what`` says which read)."""
+def check_read(what: str, tensor=None) -> bool:
+    """Called where core would compute and read a value (``what`` says which read; ``tensor``,
+    the tensor read, where there is one). True when the owner lets this tensor's value be read
+    (computed now, outside the step's graph)."""
     if _OPEN:
-        _OPEN[-1].on_read(what)
+        return bool(_OPEN[-1].on_read(what, tensor))
+    return False
 
 
 def check_fallback(op) -> None:
@@ -57,7 +60,8 @@ def on_close(fn) -> None:
 def capturing(owner):
     """Opens a capture whose refusals ``owner`` decides.
 
-    ``owner`` has ``on_read(what)`` and ``on_fallback(op)`` (raise to refuse) and ``on_sync()``.
+    ``owner`` has ``on_read(what, tensor)`` (raise to refuse, return True to let the value be
+    computed now), ``on_fallback(op)`` (raise to refuse) and ``on_sync()``.
     """
     _OPEN.append(owner)
     try:

@@ -290,9 +290,11 @@ def _quarantine(cells, error) -> None:
             c.error = error
 
 
-def evaluate(nodes) -> list:
-    """Computes ``nodes`` without binding the results to any tensor (no donation)."""
-    capture.check_read("computing a value before the step ends")
+def evaluate(nodes, *, allowed: bool = False) -> list:
+    """Computes ``nodes`` without binding the results to any tensor (no donation); ``allowed``:
+    an open capture's owner has let this read happen."""
+    if not allowed:
+        capture.check_read("computing a value before the step ends")
     graph = Graph(list(nodes))
     _check_runnable(graph)
     exe = compiler.executable(graph)
@@ -313,9 +315,10 @@ def wait_all() -> None:
 def to_cpu(t) -> torch.Tensor:
     """The value of xshard tensor ``t`` as a CPU tensor; runs pending work first (one graph, like
     ``sync()``). A tensor whose step failed raises that step's error."""
-    capture.check_read("reading a tensor's value (.item(), .cpu(), print, bool(), ...)")
+    allowed = capture.check_read("reading a tensor's value (.item(), .cpu(), print, bool(), ...)",
+                                 t)
     cell = t._cell
-    if cell.error is None and not settled(cell.value):
+    if cell.error is None and not settled(cell.value) and not allowed:
         sync()
     if cell.error is not None:
         raise cell.error
@@ -326,7 +329,7 @@ def to_cpu(t) -> torch.Tensor:
             "with xshard.spmd.disable_manual_sharding(t, spec, full_shape) to read its value.")
     if 0 in node.shape:  # nothing to read (jax cannot assemble an empty array padded unevenly)
         return torch.empty(node.shape, dtype=node.dtype)
-    array = node.payload if node.op is ir.DATA else evaluate([node])[0]
+    array = node.payload if node.op is ir.DATA else evaluate([node], allowed=allowed)[0]
     # A collective when no process holds all of it; cropped when padded (an uneven sharding).
     with trace.phase(trace.FROM_DEVICE):
         host = arrays.to_host(array)

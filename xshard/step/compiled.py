@@ -155,6 +155,8 @@ class CompiledStep:
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self.device = device()
         self.warned_sync = False
+        self.warned_rate = False
+        self.unjoined: set = set()  # slot keys never read as one input (Recording._note_parting)
         self.traces = 0
         self.calls = 0
         self.retrace_reasons: list[str] = []

@@ -13,19 +13,25 @@ as a constant:
   a tensor ``lr``), so the program takes it as an input, read afresh from the group on every call;
 - torch.optim picks code paths that keep a tensor ``lr`` on the device when
   ``torch.compiler.is_compiling()`` is true (SGD's foreach form) or the tensor requires grad (SGD's
-  for-loop form); both hold while the optimizer's ``step`` is recorded.
+  for-loop form); both hold while the optimizer's ``step`` is recorded;
+- some code paths read the rate as a Python number all the same (Rprop's first step, the for-loop
+  forms of RMSprop and Adadelta: ``value=-lr``). Such a read is let through when the value read
+  depends on learning rates alone: the rate is then built into the program as a constant, the guard
+  keeps its value, and a scheduler's change records the step again (a warning says so once).
 
 Every other hyper-parameter (momentum, betas, weight decay, ...) shapes the program; it is part of
-the compiled step's guard, and changing one records the step again.
+the compiled step's guard, and changing one records the step again. So is a learning rate that
+cannot be lifted (a device tensor: its data is then a constant the program reads).
 """
 
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import torch
 
-from xshard.core import api
+from xshard.core import api, ir
 
 
 def make_capturable(optimizers) -> None:
@@ -48,19 +54,27 @@ def make_capturable(optimizers) -> None:
 class LiftedRate:
     """One group's learning rate, a 0-d device tensor while the step is recorded."""
 
-    __slots__ = ("optimizer", "group", "original", "tensor", "dtype", "node", "input")
+    __slots__ = ("optimizer", "group", "original", "tensor", "dtype", "node", "input", "read_at")
 
     def __init__(self, optimizer, group: int):
         self.optimizer, self.group = optimizer, group
         self.original = optimizer.param_groups[group]["lr"]
         self.dtype = torch.get_default_dtype()
         value = torch.tensor(host_rate(self.original), dtype=self.dtype)
-        leaf = api.new_tensor(api.upload(value), requires_grad=True)
+        # Requiring grad steers SGD's for-loop form to its tensor-rate path (no other optimizer
+        # looks; Rprop passes the rate where PyTorch takes a number, which refuses one that
+        # requires grad). Not being a leaf lets a scheduler stepped inside the function write it
+        # in place (and be caught doing so).
+        leaf = api.new_tensor(api.upload(value),
+                              requires_grad=isinstance(optimizer, torch.optim.SGD))
         self.input = api.value(leaf)  # the data node the program reads
-        # Requiring grad steers SGD's for-loop form to its tensor-rate path; not being a leaf lets
-        # a scheduler stepped inside the function write it in place (and be caught doing so).
         self.tensor = leaf.clone()
         self.node = api.value(self.tensor)
+        self.read_at = None  # the line where torch.optim read it as a Python number
+
+    def recorded(self):
+        """What the guard keeps of this rate after the recording."""
+        return LIFTED if self.read_at is None else BuiltIn(host_rate(self.original))
 
     def changed(self) -> bool:
         """Whether the step replaced or overwrote this learning rate."""
@@ -78,8 +92,60 @@ def host_rate(lr) -> float:
 
 
 def liftable(lr) -> bool:
-    return type(lr) in (float, int) or (isinstance(lr, torch.Tensor) and lr.device.type == "cpu"
-                                        and lr.numel() == 1)
+    """A learning rate the program can take as an input: a real number (NumPy's too) or a
+    one-element CPU tensor."""
+    if isinstance(lr, torch.Tensor):
+        return lr.device.type == "cpu" and lr.numel() == 1 and not lr.is_complex()
+    return isinstance(lr, numbers.Real)
+
+
+class RateRecord:
+    """The guard's record of a learning rate that was lifted (``matches``: whether a rate passes)."""
+
+    def matches(self, lr) -> bool:
+        return liftable(lr)
+
+    def __repr__(self):
+        return "a number (read on every call)"
+
+
+LIFTED = RateRecord()  # the program reads the rate on every call: any liftable rate passes
+
+
+class BuiltIn(RateRecord):
+    """A lifted rate torch.optim read as a Python number while the step was recorded: the program
+    holds this value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def matches(self, lr) -> bool:
+        return liftable(lr) and host_rate(lr) == self.value
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+def rates_read(tensor, rates) -> list[LiftedRate]:
+    """The rates that ``tensor``'s value is computed from, when it is computed from learning rates
+    and numbers alone (else empty): reading it needs nothing the program has yet."""
+    inputs = {id(r.input): r for r in rates}
+    found, seen, stack = {}, set(), [api.value(tensor)]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        rate = inputs.get(id(node))
+        if rate is not None:
+            found[id(rate)] = rate
+        elif node.op is ir.DATA or node.op in ir.XSHARD_OPS:
+            return []  # state, arguments, constants, random numbers
+        else:
+            stack.extend(node.inputs)
+    return list(found.values())
 
 
 def lift_rates(optimizers) -> list[LiftedRate]:
@@ -95,23 +161,27 @@ def lift_rates(optimizers) -> list[LiftedRate]:
 
 @contextlib.contextmanager
 def graph_paths(optimizers):
-    """While each optimizer's ``step`` runs, torch.optim takes its graph-capture code paths."""
+    """While each optimizer's ``step`` runs, torch.optim takes its graph-capture code paths.
+    Yields a list holding the optimizer whose ``step`` runs, if one does."""
     import torch.compiler as compiler
 
     saved = compiler._is_compiling_flag
+    stepping = []
 
     def pre(opt, args, kwargs):
         compiler._is_compiling_flag = True
+        stepping.append(opt)
 
     def post(opt, args, kwargs):
         compiler._is_compiling_flag = saved
+        stepping.clear()
 
     handles = []
     for opt in optimizers:
         handles.append(opt.register_step_pre_hook(pre))
         handles.append(opt.register_step_post_hook(post))
     try:
-        yield
+        yield stepping
     finally:
         compiler._is_compiling_flag = saved
         for h in handles:
@@ -119,6 +189,7 @@ def graph_paths(optimizers):
 
 
 def hyperparameters(opt) -> list[dict]:
-    """Each group's settings other than its parameters and learning rate (the guard's part)."""
-    return [{k: v for k, v in group.items() if k not in ("params", "lr")}
-            for group in opt.param_groups]
+    """Each group's settings other than its parameters (the guard's part); a learning rate lifted
+    to an input is recorded as ``LIFTED``."""
+    return [{k: LIFTED if k == "lr" and liftable(v) else v for k, v in group.items()
+             if k != "params"} for group in opt.param_groups]

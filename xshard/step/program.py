@@ -762,10 +762,13 @@ def _group_difference(opt, settings) -> str | None:
     if len(groups) != len(settings):
         return f"number of optimizer param groups: {len(settings)} -> {len(groups)}"
     for g, (group, recorded) in enumerate(zip(groups, settings)):
-        if len(group) != len(recorded) + 2:
+        if len(group) != len(recorded) + 1:
             return f"optimizer param_groups[{g}] keys: {sorted(recorded)} -> {sorted(group)}"
         for k, v in recorded.items():
             now = group.get(k)
-            if now is not v and not same_value(now, v):
+            if isinstance(v, optim_support.RateRecord):
+                if not v.matches(now):
+                    return f"optimizer param_groups[{g}][{k!r}]: {v!r} -> {now!r}"
+            elif now is not v and not same_value(now, v):
                 return f"optimizer param_groups[{g}][{k!r}]: {v!r} -> {now!r}"
     return None

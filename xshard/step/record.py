@@ -70,14 +70,27 @@ def _wrap(node: ir.Node) -> ir.Node:
 class _Owner:
     """The capture's owner while a step is recorded: refuses reads and CPU ops."""
 
-    def __init__(self, compiled, numbers: bool):
+    def __init__(self, compiled, numbers: bool, rates, stepping):
         self.compiled = compiled
         self.numbers = numbers  # whether Python numbers were passed (as 0-d tensors)
+        self.rates = rates  # the lifted learning rates (see optim.py)
+        self.stepping = stepping  # the optimizer whose step runs now, if one does
 
-    def on_read(self, what: str) -> None:
+    def on_read(self, what: str, tensor) -> bool:
+        read = optim_support.rates_read(tensor, self.rates) if tensor is not None else ()
+        if read:  # a number computed from learning rates: built into the program, and guarded
+            for rate in read:
+                rate.read_at = rate.read_at or user_line()
+            return True
         hint = (" A Python number argument is a 0-d tensor inside the step: if the step uses it "
                 "as a number (range(n), if flag), make it static (static_argnums= or "
                 "static_argnames=)." if self.numbers else "")
+        if self.stepping:
+            opt = self.stepping[0]
+            hint += (f" The read is in {type(opt).__name__}.step, which reads a tensor as a "
+                     f"Python number" +
+                     (" in its for-loop form: pass foreach=True." if opt.defaults.get("foreach")
+                      is not True and "foreach" in opt.defaults else "."))
         raise CaptureError(
             f"xshard.compile({self.compiled.name}): {what} at {user_line()}. Inside a compiled "
             f"step tensors have no values yet: the step is recorded once and replayed without "
@@ -134,7 +147,7 @@ class Recording:
         entry = [s.get() for s in slots]
         specs = [spec_of(o) for o in entry]
         self._refuse_partial_sums(slots, entry)
-        self._share_equal_scalars(slots, entry)
+        self._share_equal_scalars(slots, entry, compiled.unjoined)
         program = Program(name)
         program.grad_enabled = torch.is_grad_enabled()
         program.default_dtype = torch.get_default_dtype()
@@ -173,10 +186,12 @@ class Recording:
         stream = rng.position()  # see [Note: random draws in a compiled step]
         try:
             host_reads = host.HostReads()
-            with capture.capturing(_Owner(compiled, bool(numbers))), \
-                    optim_support.graph_paths(roots.optimizers), host_reads:
+            with optim_support.graph_paths(roots.optimizers) as stepping, \
+                    capture.capturing(_Owner(compiled, bool(numbers), rates, stepping)), \
+                    host_reads:
                 out = compiled.fn(*fn_args, **fn_kwargs)
             self._check_host_state(rates, program.groups, slots, host_values)
+            self._build_in_rates(rates, program.groups)
             program.draws = self._draws(stream)
             for rate in rates:
                 rate.restore()
@@ -250,14 +265,16 @@ class Recording:
                     f"after it, without xshard.compile.")
 
     @staticmethod
-    def _share_equal_scalars(slots, entry) -> None:
+    def _share_equal_scalars(slots, entry, unjoined) -> None:
         """0-d state of one value gets one data node, which the program then reads once (see
         [Note: slots sharing data] in program.py): AdamW's step counts after a checkpoint is
-        loaded, BatchNorm's batch counts."""
+        loaded, BatchNorm's batch counts. Slots in ``unjoined`` (their shared data came apart
+        after a call: a buffer counting calls in forward, equal to Adam's step count) are left
+        apart; joined again, each call would record the step again."""
         first = {}
         for slot, obj in zip(slots, entry):
             if isinstance(slot, st.ArgSlot) or not api.is_device_tensor(obj) or obj.dim() != 0 \
-                    or api.is_view(obj):
+                    or api.is_view(obj) or slot.key in unjoined:
                 continue
             storage = api.storage(obj)
             node = api.storage_value(storage)
@@ -306,7 +323,8 @@ class Recording:
         for opt, settings in groups:
             for g, (group, recorded) in enumerate(zip(opt.param_groups, settings)):
                 for k, v in recorded.items():
-                    if not same_value(group.get(k), v):
+                    if not isinstance(v, optim_support.RateRecord) and \
+                            not same_value(group.get(k), v):
                         raise StateError(
                             f"xshard.compile({name}): the step changed optimizer "
                             f"param_groups[{g}][{k!r}] from {v!r} to {group.get(k)!r}; Python in "
@@ -320,6 +338,23 @@ class Recording:
                     f"({describe(spec)} -> {describe(spec_of(slot.get()))}), which a replay "
                     f"cannot update. Use an optimizer that keeps such state in tensors (for the "
                     f"Adam family, capturable=True), or run this step without xshard.compile.")
+
+    def _build_in_rates(self, rates, groups) -> None:
+        """Learning rates torch.optim read as numbers are constants of the program, kept by the
+        guard (see [Note: optimizers in a compiled step])."""
+        settings = dict((id(opt), s) for opt, s in groups)
+        for rate in rates:
+            if rate.read_at is None:
+                continue
+            settings[id(rate.optimizer)][rate.group]["lr"] = rate.recorded()
+            if not self.compiled.warned_rate:
+                self.compiled.warned_rate = True
+                warnings.warn(
+                    f"xshard.compile({self.compiled.name}): {type(rate.optimizer).__name__}.step "
+                    f"reads the learning rate of param group {rate.group} as a Python number (at "
+                    f"{rate.read_at}), so the compiled step holds its value and is recorded again "
+                    f"whenever it changes (a scheduler).",
+                    stacklevel=user_stacklevel())
 
     def _draws(self, stream) -> int:
         """How many random draws the step made (see [Note: random draws in a compiled step])."""
@@ -338,7 +373,8 @@ class Recording:
             rate.restore()
         for opt, settings in groups:
             for group, recorded in zip(opt.param_groups, settings):
-                group.update(recorded)
+                group.update((k, v) for k, v in recorded.items()
+                             if not isinstance(v, optim_support.RateRecord))
         for opt, saved in saved_state:  # the same dicts, with the entries they had
             for p in list(opt.state):
                 if p in saved:
@@ -461,6 +497,7 @@ class Recording:
                     holding.setdefault(id(w[1]), []).append(i)
                 if isinstance(slots[i], st.ArgSlot):
                     arg_storages.add(id(storage))
+        self._note_parting(slots, holding, writes, pairs)
         # The entry data of the state the step overwrites is consumed (donated), unless a storage
         # the step leaves alone or some other live storage holds the same array, or the output
         # replacing it is also returned as a new tensor (the next call would consume that).
@@ -545,6 +582,15 @@ class Recording:
         result = program.store(results)
         del results
         return result
+
+    def _note_parting(self, slots, holding, writes, pairs) -> None:
+        """Slots read as one input that this step leaves holding different values: the next
+        call records the step again, and that recording reads them apart (see
+        ``_share_equal_scalars``)."""
+        after = {w.slot: (id(pairs[w.position][0]), pairs[w.position][1]) for w in writes}
+        for held in holding.values():
+            if len(held) > 1 and len({after.get(i) for i in held}) > 1:
+                self.compiled.unjoined.update(slots[i].key for i in held)
 
     def _plan_inputs(self, program, graph, values, holding, rates, numbers, stream):
         """Where each executable input comes from on a replay."""
