@@ -2,6 +2,9 @@
 each compiled call computes what eager CPU PyTorch does (see [Note: slots sharing data] in
 xshard/step/program.py). Before, every case here gave a silent wrong answer or lost data."""
 
+import types
+
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -399,6 +402,76 @@ def test_python_settings_read_by_the_step_function():
     assert step.traces == 3
     assert "global 'SCALE': 1.0 -> 2.0" in step.retrace_reasons[0]
     assert "closure variable 'weight': 0.5 -> 3.0" in step.retrace_reasons[1]
+
+
+CFG = types.SimpleNamespace(weights={"kl": 1.0}, scale=np.float32(1.0))
+
+
+class _Configured(MLP):
+    def __init__(self):
+        super().__init__()
+        self.cfg = types.SimpleNamespace(temperature=1.0)
+
+    def forward(self, x, y):
+        return super().forward(x / self.cfg.temperature, y)
+
+
+class _Trainer:
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+        self.cfg = types.SimpleNamespace(clip=10.0)
+        self.schedule = [1.0]
+
+    def step(self, x, y):
+        loss = self.model(x, y) * CFG.scale * CFG.weights["kl"] * self.schedule[0]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss
+
+
+def test_settings_read_through_objects():
+    """Settings the step reads through objects (a global config's attribute and dict entry, an
+    item of a closure's list, of the trainer's list and an attribute of its config, a module's
+    config read in its forward) are compared on every call (see [Note: settings read through
+    objects]); each was built in, and a change silently ignored."""
+    changes = [lambda t, o: None, lambda t, o: setattr(CFG, "scale", np.float32(2.0)),
+               lambda t, o: CFG.weights.__setitem__("kl", 0.5),
+               lambda t, o: t.schedule.__setitem__(0, 3.0),
+               lambda t, o: setattr(t.cfg, "clip", 0.01),
+               lambda t, o: setattr(t.model.cfg, "temperature", 4.0),
+               lambda t, o: o.__setitem__(0, 2.0)]
+
+    def run(device, compiled):
+        CFG.scale, CFG.weights["kl"] = np.float32(1.0), 1.0
+        torch.manual_seed(0)
+        model = _Configured().to(device)
+        trainer = _Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        offset = [0.0]
+
+        def train_step(x, y):
+            return trainer.step(x, y) + offset[0]
+
+        step = xshard.compile(train_step) if compiled else train_step
+        losses = []
+        for change, (x, y) in zip(changes, make_batches("mlp", len(changes))):
+            change(trainer, offset)
+            losses.append(step(x.to(device), y.to(device)).item())
+        return losses, [p.detach().cpu() for p in model.parameters()], step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    reasons = dev[2].retrace_reasons
+    assert dev[2].traces == len(changes), reasons
+    for want, got in zip(["CFG.scale: ",
+                          "CFG.weights['kl']: 1.0 -> 0.5", "_Trainer.schedule[0]: 1.0 -> 3.0",
+                          "_Trainer.cfg.clip: 10.0 -> 0.01",
+                          "_Configured.cfg.temperature: 1.0 -> 4.0", "offset[0]: 0.0 -> 2.0"],
+                         reasons):
+        assert want in got, reasons
 
 
 @pytest.mark.parametrize("where", ["module", "global"])

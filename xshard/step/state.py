@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import types
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -211,6 +213,7 @@ class Roots:
         # the step reaches] in record.py)
         self.bindings: list = []
         self._seen: set = set()
+        self._setting_names: set = set()
 
     def add(self, obj, depth: int = 0) -> None:
         if id(obj) in self._seen:
@@ -235,6 +238,12 @@ class Roots:
                     self.entries.append((vars(obj), name, f"{type(obj).__name__}.{name}"))
                 else:
                     self.add(item, depth + 1)
+
+    def add_setting(self, reader, name: str) -> None:
+        """A setting read through an object (see [Note: settings read through objects])."""
+        if name not in self._setting_names:
+            self._setting_names.add(name)
+            self.settings.append((reader, None, name))
 
     def reach(self, container, key, value, name: str) -> None:
         """``value``, read by the step from ``container.get(key)``: a setting the guard compares
@@ -270,7 +279,7 @@ def find_roots(fn, extra=()) -> Roots:
             if not api.is_device_tensor(d[name]):
                 roots.reach(d, name, d[name], f"{type(obj).__name__}.{name}")
 
-    def visit(f):
+    def visit(f, bound=None):
         if id(f) in seen_fns:
             return
         seen_fns.add(id(f))
@@ -282,7 +291,7 @@ def find_roots(fn, extra=()) -> Roots:
         if isinstance(f, types.MethodType):
             roots.add(f.__self__)
             attributes(f.__self__, getattr(f.__func__, "__code__", None))
-            visit(f.__func__)
+            visit(f.__func__, f.__self__)
             return
         if isinstance(f, nn.Module):
             roots.add(f)
@@ -293,7 +302,10 @@ def find_roots(fn, extra=()) -> Roots:
             if call is not None and not isinstance(f, type):
                 roots.add(f)
                 attributes(f, getattr(call, "__code__", None))
+                if isinstance(call, types.FunctionType):
+                    _reach_paths(roots, call, f, visit)
             return
+        _reach_paths(roots, f, bound, visit)
         for name, cell in zip(code.co_freevars, f.__closure__ or ()):
             try:
                 value = cell.cell_contents
@@ -303,7 +315,7 @@ def find_roots(fn, extra=()) -> Roots:
                 roots.cells.append((cell, name))
                 continue
             roots.reach(_CellReader(cell), None, value, f"closure variable {name!r}")
-            if callable(value) and isinstance(value, (types.FunctionType, functools.partial)):
+            if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
                 visit(value)
             elif not is_setting(value):
                 roots.add(value, depth=1)
@@ -336,17 +348,150 @@ def find_roots(fn, extra=()) -> Roots:
                 visit(value)
 
     visit(fn)
+    seen_forwards: set = set()
+    for root in list(roots.modules):
+        for m in root.modules():
+            forward = getattr(type(m), "forward", None)
+            if isinstance(forward, types.FunctionType) and id(m) not in seen_forwards:
+                seen_forwards.add(id(m))
+                _reach_paths(roots, forward, m, None)
     return roots
+
+
+# [Note: settings read through objects]
+# A Python setting the step reads through an object is built into the program like any other:
+# ``cfg.loss_weight`` of a global or closure ``cfg``, ``self.cfg.scale`` in a method or a module's
+# forward, ``weights["kl"]``, ``schedule[0]``. The code says which: the chains of attribute reads
+# and constant subscripts it applies to a name it loads (``LOAD_GLOBAL cfg; LOAD_ATTR
+# loss_weight``), in the step function, the functions it reaches and each module's ``forward``.
+# Each chain that ends in a setting (or None) when the step is recorded is read again on every
+# call, the same way but only through instance dicts, dict keys and sequence indices (no property
+# or ``__getattr__`` runs), and compared; a change records the step again. A value the code
+# computes (``cfg.get("w")``, ``schedule[i]``) or a helper in another module reads is not seen:
+# pass it as an argument.
+
+_LOAD_NAME = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "closure",
+              "LOAD_CLASSDEREF": "closure", "LOAD_FAST": "local", "LOAD_FAST_CHECK": "local",
+              "LOAD_FAST_BORROW": "local"}
+_PATHS: dict = {}  # code object -> {(kind, name): set of chains}
+_NO_KEY = object()
+
+
+def read_paths(code) -> dict:
+    """``{(kind, name): {chain}}``: each chain of ``("attr", name)`` / ``("item", constant)`` steps
+    ``code`` (or code defined in it) applies to a name it loads (kind ``global``, ``closure`` or
+    ``local``), and each chain's prefixes."""
+    paths = _PATHS.get(code)
+    if paths is None:
+        paths = _PATHS[code] = {}
+        _scan(code, paths)
+    return paths
+
+
+def _scan(code, paths) -> None:
+    root, chain, key = None, (), _NO_KEY
+    for ins in dis.get_instructions(code):
+        op = ins.opname
+        if key is not _NO_KEY:  # a constant after a chain: a subscript extends it
+            if op == "BINARY_SUBSCR" or (op == "BINARY_OP" and ins.argrepr == "[]"):
+                chain += (("item", key),)
+                paths.setdefault(root, set()).add(chain)
+                key = _NO_KEY
+                continue
+            root, key = None, _NO_KEY
+        kind = _LOAD_NAME.get(op)
+        if kind is not None:
+            root, chain = (kind, ins.argval), ()
+        elif root is not None and op in ("LOAD_ATTR", "LOAD_METHOD"):
+            chain += (("attr", ins.argval),)
+            paths.setdefault(root, set()).add(chain)
+            if op == "LOAD_METHOD":
+                root = None
+        elif root is not None and op == "LOAD_CONST" and type(ins.argval) in (str, int):
+            key = ins.argval
+        else:
+            root = None
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _scan(const, paths)
+
+
+class _PathReader:
+    """A chain of steps read from a root, as ``get(key, default)`` reads a settings dict (see
+    [Note: settings read through objects])."""
+
+    __slots__ = ("root", "chain")
+
+    def __init__(self, root, chain):
+        self.root, self.chain = root, chain  # root(): the object the chain starts from
+
+    def get(self, _key, default):
+        obj = self.root()
+        for kind, key in self.chain:
+            if kind == "attr":
+                try:
+                    d = object.__getattribute__(obj, "__dict__")
+                except AttributeError:
+                    return default
+                if type(d) is not dict or key not in d:
+                    return default
+                obj = d[key]
+            elif isinstance(obj, dict):
+                obj = dict.get(obj, key, default)
+            elif isinstance(obj, (list, tuple)) and type(key) is int and \
+                    -len(obj) <= key < len(obj):
+                obj = obj[key]
+            else:
+                return default
+        return obj
+
+
+def _reach_paths(roots: Roots, f, bound, visit) -> None:
+    """Guards the settings ``f``'s code reads through objects: from its globals, its closure and
+    ``bound`` (the object it is a method of, its first argument); ``visit``s the methods it calls
+    on such objects (``trainer.step(x)``), when given."""
+    code = f.__code__
+    closure = dict(zip(code.co_freevars, f.__closure__ or ()))
+    module_globals = getattr(f, "__globals__", {})
+    this = code.co_varnames[0] if bound is not None and code.co_argcount else None
+    for (kind, name), chains in read_paths(code).items():
+        if kind == "global":
+            root = functools.partial(module_globals.get, name, None)
+        elif kind == "closure" and name in closure:
+            root = _CellReader(closure[name]).value
+        elif kind == "local" and name == this:
+            root = functools.partial(_same, bound)
+        else:
+            continue
+        for chain in chains:
+            if len(chain) == 1 and chain[0][0] == "attr":
+                obj = root()
+                if visit is not None and kind != "local" and _has_attributes(obj) and \
+                        not isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+                    method = inspect.getattr_static(type(obj), chain[0][1], None)
+                    if isinstance(method, types.FunctionType):
+                        visit(types.MethodType(method, obj))
+                if kind == "local" or isinstance(obj, nn.Module):
+                    continue  # ``self.scale``, ``model.scale``: compared already (module settings)
+            reader = _PathReader(root, chain)
+            value = reader.get(None, _NO_KEY)
+            if value is None or (value is not _NO_KEY and is_setting(value)):
+                where = (type(bound).__name__ if kind == "local" else name) + "".join(f".{k}" if t == "attr" else f"[{k!r}]" for t, k in chain)
+                roots.add_setting(reader, where)
+
+
+def _same(obj):
+    return obj
 
 
 _SETTING_TYPES = (bool, int, float, complex, str, torch.dtype, torch.device)
 
 
 def is_setting(value) -> bool:
-    """Whether ``value`` is a Python setting a recorded step builds in (a number, a string, a
-    dtype, a tuple of those): the guard compares it on every call."""
-    return type(value) in _SETTING_TYPES or (
-        type(value) in (tuple, torch.Size) and all(type(v) in _SETTING_TYPES for v in value))
+    """Whether ``value`` is a Python setting a recorded step builds in (a number, NumPy's too, a
+    string, a dtype, a tuple of those): the guard compares it on every call."""
+    return type(value) in _SETTING_TYPES or isinstance(value, np.generic) or (
+        type(value) in (tuple, torch.Size) and all(is_setting(v) for v in value))
 
 
 class _CellReader:
@@ -362,6 +507,9 @@ class _CellReader:
             return self.cell.cell_contents
         except ValueError:  # emptied
             return default
+
+    def value(self):
+        return self.get(None, None)
 
 
 class _AttributeReader:
