@@ -17,6 +17,7 @@ import dis
 import functools
 import inspect
 import types
+import weakref
 from functools import partial
 
 import numpy as np
@@ -373,7 +374,7 @@ def find_roots(fn, extra=()) -> Roots:
 _LOAD_NAME = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "closure",
               "LOAD_CLASSDEREF": "closure", "LOAD_FAST": "local", "LOAD_FAST_CHECK": "local",
               "LOAD_FAST_BORROW": "local"}
-_PATHS: dict = {}  # code object -> {(kind, name): set of chains}
+_PATHS = weakref.WeakKeyDictionary()  # code object -> {(kind, name): set of chains}
 _NO_KEY = object()
 
 
@@ -456,11 +457,11 @@ def _reach_paths(roots: Roots, f, bound, visit) -> None:
     this = code.co_varnames[0] if bound is not None and code.co_argcount else None
     for (kind, name), chains in read_paths(code).items():
         if kind == "global":
-            root = functools.partial(module_globals.get, name, None)
+            root = partial(module_globals.get, name, None)
         elif kind == "closure" and name in closure:
             root = _CellReader(closure[name]).value
         elif kind == "local" and name == this:
-            root = functools.partial(_same, bound)
+            root = partial(_itself, bound)
         else:
             continue
         for chain in chains:
@@ -476,11 +477,12 @@ def _reach_paths(roots: Roots, f, bound, visit) -> None:
             reader = _PathReader(root, chain)
             value = reader.get(None, _NO_KEY)
             if value is None or (value is not _NO_KEY and is_setting(value)):
-                where = (type(bound).__name__ if kind == "local" else name) + "".join(f".{k}" if t == "attr" else f"[{k!r}]" for t, k in chain)
-                roots.add_setting(reader, where)
+                where = type(bound).__name__ if kind == "local" else name
+                roots.add_setting(reader, where + "".join(
+                    f".{k}" if t == "attr" else f"[{k!r}]" for t, k in chain))
 
 
-def _same(obj):
+def _itself(obj):
     return obj
 
 
