@@ -164,3 +164,35 @@ def test_half_norms_accumulate_in_float32(dtype, p):
     torch.testing.assert_close(torch.nn.functional.normalize(d, dim=0).cpu(),
                                torch.nn.functional.normalize(x, dim=0))
     torch.testing.assert_close(torch._foreach_norm([d], p)[0].cpu(), torch._foreach_norm([x], p)[0])
+
+
+IN_PLACE_CASTS = {
+    "bool.mul_(3)": lambda i, b, f: b.mul_(3),
+    "int.div_(2)": lambda i, b, f: i.div_(2),
+    "int.mul_(1.5)": lambda i, b, f: i.mul_(1.5),
+    "int.addcmul_(float, float)": lambda i, b, f: i.addcmul_(f, f),
+    "_foreach_mul_([int], 1.5)": lambda i, b, f: torch._foreach_mul_([i], 1.5),
+    "int.sqrt_()": lambda i, b, f: i.sqrt_(),
+    # allowed: the result casts to the written dtype
+    "float.eq_(int)": lambda i, b, f: f.eq_(i),
+    "int.masked_fill_(bool, 1.5)": lambda i, b, f: i.masked_fill_(b, 1.5),
+    "half.add_(float)": lambda i, b, f: f.half().add_(f),
+}
+
+
+@pytest.mark.parametrize("name", list(IN_PLACE_CASTS))
+def test_in_place_result_cast_as_eager(name):
+    """An in-place op whose result dtype cannot be written into its input raises as in eager (the
+    meta kernels let ``bool.mul_(3)`` and ``int.div_(2)`` through: xshard wrote a cast result)."""
+    fn = IN_PLACE_CASTS[name]
+    inputs = (torch.tensor([-7, -1, 2, 3]), torch.tensor([True, False, True, True]),
+              torch.tensor([0.5, 1.5, -2.0, 3.0]))
+    try:
+        fn(*[t.clone() for t in inputs])
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match="can't be cast to the desired output type|"
+                                               "Attempting to cast from"):
+            fn(*[t.to(DEV) for t in inputs])
+        assert "can't be cast" in str(e)
+    else:
+        check(fn, *inputs)

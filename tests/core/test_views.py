@@ -195,6 +195,16 @@ def as_strided_write(x):
     return v
 
 
+def as_strided_of_views(x):
+    """as_strided indexes the storage whatever tensor it is called on (a transposed view, a
+    slice, a transposed copy): xshard indexed the tensor's own elements."""
+    t = x.t().as_strided((3, 3), (1, 4), 2)
+    s = x[1:, ::2].as_strided((2, 2), (6, 1), 3)
+    c = x.t().clone()
+    x[1:].as_strided((3, 3), (1, 6), 2).add_(100)
+    return t.clone(), s.clone(), c.as_strided((2, 3), (1, 4), 5), c.t()[1:].as_strided((2,), (5,))
+
+
 def expand_read(x):
     e = x[0:1].expand(3, 6)
     x[0, 0] = 77
@@ -218,7 +228,8 @@ CASES = [slice_write, slice_with_step, select_write, narrow_write, view_reshape_
          transpose_write, permute_write, diagonal_write, unsqueeze_squeeze_write, chunk_write,
          unbind_write, split_write, nested_views, other_views_see_write, setitem_int, setitem_mask,
          setitem_index_tensor, setitem_on_view, index_put_accumulate, masked_fill_and_friends,
-         inplace_ops_on_base, write_base_seen_by_view, swap_rows, as_strided_write, expand_read,
+         inplace_ops_on_base, write_base_seen_by_view, swap_rows, as_strided_write,
+         as_strided_of_views, expand_read,
          unfold_read, out_argument]
 
 

@@ -52,10 +52,14 @@ def _hold(value: ir.Node, n: int) -> None:
 class Cell:
     """The storage of a base tensor: its current value and a write counter."""
 
-    __slots__ = ("value", "version", "sharding", "seq", "error", "source", "ref", "__weakref__")
+    __slots__ = ("value", "version", "sharding", "seq", "error", "source", "ref", "layout",
+                 "__weakref__")
 
-    def __init__(self, value: ir.Node, sharding=None):
+    def __init__(self, value: ir.Node, sharding=None, layout=None):
         self.value = value
+        # The strides of the storage's elements in the base tensor's order (None: contiguous):
+        # what ``as_strided``'s sizes, strides and offset index.
+        self.layout = layout
         self.version = 0
         # Creation order: a sync lists its outputs in this order, so the same program gives the
         # same graph (and cache key) every step.

@@ -254,6 +254,9 @@ def mutate(func, f, args, kwargs):
         else:
             # Defaults made explicit pick the matching overload: bernoulli_(p=0.5) -> bernoulli.p.
             result = functional(*_with_defaults(func, args), **kwargs)
+        for r, t in zip(*((result, args[0]) if isinstance(args[0], (list, tuple))
+                          else ((result,), (args[0],)))):
+            check_cast(r.dtype, t.dtype)
         return _write_results(args[0], result)
     # A functional twin returns the op's own outputs followed by the new value of each written arg.
     result = functional(**bound)
@@ -302,7 +305,9 @@ def _inplace(func, f, functional, args, kwargs):
     entry = cache.get(key)
     if entry is None:
         meta(func, args, kwargs, key)  # PyTorch's own checks: broadcast into self, casts
-        entry = cache[key] = meta(functional, args, kwargs, (ff.code,) + key[1:])
+        entry = meta(functional, args, kwargs, (ff.code,) + key[1:])
+        _check_cast(entry[0], args[0])
+        cache[key] = entry
     spec, node_key = entry
     node = _node(functional, ff, tuple(rec.inputs), template, spec, node_key)
     target = args[0]
@@ -316,6 +321,30 @@ def _inplace(func, f, functional, args, kwargs):
 
 # as _META: in-place call key -> (the functional twin's output spec, its node key)
 _INPLACE: dict = {}
+
+
+def _check_cast(spec, target) -> None:
+    """An in-place op's result (output ``spec`` of its functional twin) must cast to the written
+    tensor's dtype as ATen's kernels require (``bool.mul_(3)``, ``int.div_(2)``); the meta kernels
+    do not check it."""
+    if spec[0] == "seq":
+        for s, t in zip(spec[2], target):
+            _check_cast(s, t)
+    elif spec[0] == "t":
+        check_cast(spec[3], target.dtype)
+
+
+def check_cast(result, output) -> None:
+    """Raises PyTorch's error where dtype ``result`` may not be written into dtype ``output``."""
+    if not torch.can_cast(result, output):
+        raise RuntimeError(f"result type {_dtype_name(result)} can't be cast to the desired "
+                           f"output type {_dtype_name(output)}")
+
+
+def _dtype_name(dtype) -> str:
+    """PyTorch's name of a dtype in its messages: Float, Long, Bool, Half, BFloat16."""
+    return torch.empty((), dtype=dtype, device="meta").type().split(".")[-1].replace(
+        "Tensor", "")
 
 
 def _write_results(target, result):

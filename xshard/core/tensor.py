@@ -126,9 +126,12 @@ class XTensor(LazyTensor):
 
 def new_base(value: ir.Node, stride=None, requires_grad=False, sharding=None) -> XTensor:
     """A fresh base tensor (its own cell) holding ``value``."""
+    contiguous = contiguous_strides(value.shape)
     if stride is None:
-        stride = contiguous_strides(value.shape)
-    return XTensor(Cell(value, sharding), (), value.shape, stride, value.dtype, requires_grad)
+        stride = contiguous
+    layout = None if tuple(stride) == contiguous else tuple(stride)
+    return XTensor(Cell(value, sharding, layout), (), value.shape, stride, value.dtype,
+                   requires_grad)
 
 
 def _wrap(spec, node):
@@ -198,6 +201,11 @@ def _inherit_sharding(source, out):
 
 
 def _view(func, f, args, kwargs):
+    if func is aten.as_strided.default:  # it indexes the storage, whatever view it is called on
+        t, size, stride, *offset = args
+        offset = offset[0] if offset else kwargs.get("storage_offset")
+        args = (_storage(t), size, stride, t.storage_offset() if offset is None else offset)
+        kwargs = {}
     made = record.view_steps(func, f, args, kwargs)
     if made is None:  # a view op with a tensor-valued static argument: recorded as a value
         spec, node = record.record(func, f, args, kwargs)
@@ -207,6 +215,28 @@ def _view(func, f, args, kwargs):
     if spec[0] == "t":
         return _make_view(base, made, spec, func is not aten.as_strided.default)
     return spec[1]([_make_view(base, step, o, True) for step, o in made])
+
+
+def _storage(t: XTensor) -> XTensor:
+    """``t``'s whole storage as a contiguous tensor at offset 0: its base, permuted into the order
+    of its elements in memory when the base is not contiguous (``x.t().clone()``)."""
+    cell = t._cell
+    value = cell.value
+    if t.dtype != value.dtype:
+        raise NotImplementedError(
+            f"xshard cannot call as_strided on a {t.dtype} view of {value.dtype} storage; call "
+            f".clone() first.")
+    layout = cell.layout
+    root = XTensor(cell, (), value.shape, layout or contiguous_strides(value.shape), value.dtype)
+    if layout is None:
+        return root
+    order = sorted(range(len(layout)), key=lambda d: (-layout[d], d))
+    storage = aten.permute.default(root, order)
+    if not storage.is_contiguous():
+        raise NotImplementedError(
+            f"xshard cannot call as_strided on storage with gaps (strides {layout} for shape "
+            f"{tuple(value.shape)}); call .contiguous() first.")
+    return storage
 
 
 def _make_view(base: XTensor, step, spec, relative: bool) -> XTensor:

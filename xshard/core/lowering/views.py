@@ -106,6 +106,11 @@ def _slice_bounds(size, start, end, step):
         end += size
     start = min(max(start, 0), size)
     end = min(max(end, start), size)
+    if end - start <= step:
+        # At most one element: the same slice with step 1. XLA's SPMD partitioner reads the
+        # wrong element of a one-element strided slice of a sharded dim (``x[1:2:3]`` gives x[0];
+        # reproduced in plain JAX 0.10.2 with lax.slice and a sharding constraint).
+        return start, min(start + 1, end), 1
     return start, end, step
 
 
