@@ -80,6 +80,22 @@ def test_default_placed_input_first(name):
     torch.testing.assert_close((y @ x @ w).cpu(), b @ a @ c, rtol=1e-5, atol=1e-4)
 
 
+def test_default_placed_inputs_after_the_first():
+    """Every default-placed input is re-viewed onto the graph's mesh, not only the first: jax read
+    the results' layouts against the 1-D mesh of the second input (a mask), which cannot express
+    XLA's 2-D tiling (IndivisibleError at sync)."""
+    mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
+    a = torch.arange(24.).reshape(6, 4)
+    mask = torch.tensor([True, False, False, False, False, False])[:, None]
+    x = a.to(DEV)
+    x.masked_fill_(mask.to(DEV), 3.0)
+    total = x.sum(0)
+    xs.mark_sharding(x, mesh, (None, "data"))
+    expected = a.masked_fill(mask, 3.0)
+    torch.testing.assert_close(total.cpu(), expected.sum(0))
+    torch.testing.assert_close(x.cpu(), expected)
+
+
 @pytest.mark.parametrize("first,second", [("subset", "reversed"), ("reversed", "subset"),
                                           ("subset", "pair"), ("pair", "reversed")])
 def test_reshard_data_from_one_mesh_onto_another(first, second):

@@ -19,9 +19,10 @@ holds, so one key always means one plan):
    replicated, onto the target's devices (``arrays.replicated_on``: from the local replica, never
    a cross-host transfer); sharded data is moved (``arrays.moved``) to the same partition spec over
    a mesh of the target's devices of the same shape, or replicated over the target when the two
-   meshes differ in size. In a graph with shardings of its own, a replicated first input is
-   re-viewed onto their mesh even when the devices agree: jax reads the layouts XLA chose for the
-   results against the mesh of the first input, and a 1-D mesh cannot express a 2-D tiling
+   meshes differ in size. When the target is a mesh, every replicated input is re-viewed onto it
+   even when the devices agree: jax reads the layouts XLA chose for the results against the mesh
+   of an input (not always the first: a replicated mask on the default 1-D mesh, second, made
+   ``where(mask, 3., x).sum(0)`` fail), and a 1-D mesh cannot express a 2-D tiling
    (IndivisibleError).
 
 What an input becomes is kept with its data node (``Node.placed``), so a step that reads the same
@@ -177,11 +178,11 @@ def plan(graph) -> tuple:
     replicated = jax.sharding.NamedSharding(target, jax.sharding.PartitionSpec()) if on_mesh \
         else replicated_on(devices)
     moves = []
-    for n, (i, sharding) in enumerate(data):
+    for i, sharding in data:
         if sharding.is_fully_replicated:
-            # The first input leads: jax reads the results' layouts against its mesh.
-            if sharding == replicated or (assignment(sharding) == devices and not (
-                    on_mesh and n == 0)):
+            # On a mesh every replicated input is re-viewed onto it: jax reads the results'
+            # layouts against the mesh of an input, and a 1-D mesh cannot express a 2-D tiling.
+            if sharding == replicated or (assignment(sharding) == devices and not on_mesh):
                 continue
             moves.append((i, replicated))
         elif assignment(sharding) != devices:
