@@ -177,6 +177,8 @@ IN_PLACE_CASTS = {
     "float.eq_(int)": lambda i, b, f: f.eq_(i),
     "int.masked_fill_(bool, 1.5)": lambda i, b, f: i.masked_fill_(b, 1.5),
     "half.add_(float)": lambda i, b, f: f.half().add_(f),
+    "int.cumsum_(0)": lambda i, b, f: i.int().cumsum_(0),  # computes in the input's dtype
+    "bool0d.cumsum_(0)": lambda i, b, f: b[0].cumsum_(0),
 }
 
 

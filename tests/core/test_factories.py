@@ -123,6 +123,17 @@ def test_arange(args, kwargs):
     assert_same(torch.arange(*args, **kwargs, device=DEV), torch.arange(*args, **kwargs))
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64, torch.uint8])
+@pytest.mark.parametrize("start,end", [(0, 1.2), (4.3, 0.0), (0.2, 6.8), (1.5, 1.5)])
+@pytest.mark.parametrize("steps", [1, 2, 4, 7, 50])
+def test_integer_linspace_and_logspace(dtype, start, end, steps):
+    """Integer linspace / logspace cast their ends to the dtype first, as ATen does (xshard did
+    not: ``logspace(0, 1.2, 4, base=5, dtype=int64)`` gave [1, 1, 3, 6], eager [1, 1, 2, 5])."""
+    for fn, kwargs in ((torch.linspace, {}), (torch.logspace, {"base": 2.0})):
+        assert_same(fn(start, end, steps, dtype=dtype, device=DEV, **kwargs),
+                    fn(start, end, steps, dtype=dtype, **kwargs))
+
+
 @pytest.mark.parametrize("args,kwargs", [((3,), {}), ((2, 4), {}), ((3,), {"dtype": torch.int64}),
                                          ((4, 2), {"dtype": torch.bool})])
 def test_eye(args, kwargs):

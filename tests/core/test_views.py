@@ -233,6 +233,18 @@ CASES = [slice_write, slice_with_step, select_write, narrow_write, view_reshape_
          unfold_read, out_argument]
 
 
+def test_as_strided_out_of_bounds_raises():
+    """Eager refuses sizes and strides that reach past the storage; xshard read garbage."""
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        torch.arange(10).as_strided((2, 2), (1, 2), 10)
+    x = torch.arange(10).to(DEV)
+    with pytest.raises(RuntimeError, match="out of bounds for storage of size 10"):
+        x.as_strided((2, 2), (1, 2), 10)
+    with pytest.raises(RuntimeError, match="out of bounds for storage of size 10"):
+        x[2:].as_strided((9,), (1,))  # the view's own offset, 2, is the default
+    assert_same(x[2:].as_strided((8,), (1,)), torch.arange(10)[2:].as_strided((8,), (1,)))
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
 def test_mutation_through_views(case):
     check(case, base())

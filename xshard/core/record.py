@@ -306,7 +306,8 @@ def _inplace(func, f, functional, args, kwargs):
     if entry is None:
         meta(func, args, kwargs, key)  # PyTorch's own checks: broadcast into self, casts
         entry = meta(functional, args, kwargs, (ff.code,) + key[1:])
-        _check_cast(entry[0], args[0])
+        if func not in _IN_OWN_DTYPE:
+            _check_cast(entry[0], args[0])
         cache[key] = entry
     spec, node_key = entry
     node = _node(functional, ff, tuple(rec.inputs), template, spec, node_key)
@@ -321,6 +322,11 @@ def _inplace(func, f, functional, args, kwargs):
 
 # as _META: in-place call key -> (the functional twin's output spec, its node key)
 _INPLACE: dict = {}
+
+
+# In-place ops that compute in the written tensor's dtype (``cumsum_(self, dim)`` is
+# ``cumsum(self, dim, dtype=self.dtype)``): nothing to check.
+_IN_OWN_DTYPE = frozenset({torch.ops.aten.cumsum_.default, torch.ops.aten.cumprod_.default})
 
 
 def _check_cast(spec, target) -> None:

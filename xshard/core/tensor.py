@@ -204,8 +204,15 @@ def _view(func, f, args, kwargs):
     if func is aten.as_strided.default:  # it indexes the storage, whatever view it is called on
         t, size, stride, *offset = args
         offset = offset[0] if offset else kwargs.get("storage_offset")
-        args = (_storage(t), size, stride, t.storage_offset() if offset is None else offset)
-        kwargs = {}
+        offset = t.storage_offset() if offset is None else offset
+        storage = _storage(t)
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if 0 not in tuple(size) and last >= storage.numel():
+            raise RuntimeError(
+                f"setStorage: sizes {list(size)}, strides {list(stride)} and storage offset "
+                f"{offset} reach element {last}, out of bounds for storage of size "
+                f"{storage.numel()}")
+        args, kwargs = (storage, size, stride, offset), {}
     made = record.view_steps(func, f, args, kwargs)
     if made is None:  # a view op with a tensor-valued static argument: recorded as a value
         spec, node = record.record(func, f, args, kwargs)

@@ -99,8 +99,16 @@ def _eye_m(n, m, dtype=None, **kwargs):
     return astype(diagonal, np_dtype(dtype))
 
 
+def _integer_ends(start, end, dtype):
+    """ATen's integer linspace / logspace first cast their ends to the dtype (truncating)."""
+    if _category(np_dtype(dtype)) == _INT:
+        return math.trunc(start), math.trunc(end)
+    return start, end
+
+
 @rule(aten.linspace.default)
 def _linspace(start, end, steps, dtype=None, **kwargs):
+    start, end = _integer_ends(start, end, dtype)
     dtype = np_dtype(dtype)
     if steps == 1:
         return jnp.full((1,), start, dtype)
@@ -115,5 +123,7 @@ def _linspace(start, end, steps, dtype=None, **kwargs):
 
 @rule(aten.logspace.default)
 def _logspace(start, end, steps, base=10.0, dtype=None, **kwargs):
+    if steps > 1:  # one step is base ** start, start as given
+        start, end = _integer_ends(start, end, dtype)
     return jnp.power(base, _linspace(start, end, steps, dtype=torch.float64)).astype(
         np_dtype(dtype))
