@@ -198,3 +198,15 @@ def test_in_place_result_cast_as_eager(name):
         assert "can't be cast" in str(e)
     else:
         check(fn, *inputs)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_ranks_every_nan_highest(dtype, largest):
+    """NaNs from sqrt / log of negatives carry the sign bit, which lax.top_k ranks below every
+    number: ``sqrt(x).topk(3)`` left them out where eager ranks NaN above everything."""
+    x = torch.tensor([1.0, -1.0, 4.0, float("inf"), 9.0, -2.0, 0.25, -float("inf"), 0.0, -0.0])
+    for fn in (lambda t: t.sqrt(), lambda t: t.log(), lambda t: t * 0 / 0 + t):
+        expected = fn(x.to(dtype)).topk(4, largest=largest)
+        got = fn(x.to(dtype).to(DEV)).topk(4, largest=largest)
+        torch.testing.assert_close(got.values.cpu(), expected.values, equal_nan=True)

@@ -221,7 +221,9 @@ def out_argument(x):
     out = torch.empty(4, 6, device=x.device)
     torch.add(x, 1, out=out)
     torch.mul(x[0], 2, out=x[1])
-    return out
+    joined = torch.empty(8, 6, device=x.device)
+    torch.cat([x, x], 0, out=joined)  # a list argument, its dim the default: was taken for a factory
+    return out, joined
 
 
 CASES = [slice_write, slice_with_step, select_write, narrow_write, view_reshape_write,

@@ -96,6 +96,18 @@ def test_default_placed_inputs_after_the_first():
     torch.testing.assert_close(x.cpu(), expected)
 
 
+@pytest.mark.parametrize("op", ["where", "masked_fill"])
+def test_default_placed_mask_with_data_sharded_over_the_default_devices(op):
+    """Data sharded over a 2x4 mesh of devices 0..7 (the default devices, another mesh) and an
+    unannotated mask: the mask is re-viewed onto that mesh too (IndivisibleError at sync)."""
+    mesh = xs.Mesh(np.arange(8), (2, 4), ("data", "model"))
+    a, mask = torch.arange(8.), torch.tensor([True, False] * 4)
+    x = a.to(DEV)
+    xs.mark_sharding(x, mesh, ("data",))
+    fn = (lambda m, t: torch.where(m, t, -t)) if op == "where" else (lambda m, t: t.masked_fill(m, 0.))
+    torch.testing.assert_close(fn(mask.to(DEV), x).cpu(), fn(mask, a))
+
+
 @pytest.mark.parametrize("first,second", [("subset", "reversed"), ("reversed", "subset"),
                                           ("subset", "pair"), ("pair", "reversed")])
 def test_reshard_data_from_one_mesh_onto_another(first, second):

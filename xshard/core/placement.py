@@ -150,15 +150,20 @@ def _target(shardings, inside):
                 "one mesh, or compute them in separate steps (xshard.sync() after the first).")
         return inside[0]
     default = assignment(default_sharding())
+    default_mesh = getattr(default_sharding(), "mesh", None)
     replicated = None
     for sharding in shardings:
         devices = assignment(sharding)
-        if devices == default:
-            continue
-        place = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else devices
+        on_mesh = isinstance(sharding, jax.sharding.NamedSharding)
+        place = sharding.mesh if on_mesh else devices
         if not sharding.is_fully_replicated:
-            return place
-        replicated = replicated or place
+            # Sharded over a mesh of the default devices (a 2x4 mesh of devices 0..7): the
+            # replicated inputs go onto it too (see plan), for jax to read the results' layouts.
+            if devices != default or (on_mesh and sharding.mesh != default_mesh):
+                return place
+            continue
+        if devices != default:
+            replicated = replicated or place
     return replicated
 
 

@@ -231,7 +231,8 @@ def mutate(func, f, args, kwargs):
         pass
     if f.out_names:
         fargs = {k: v for k, v in bound.items() if k not in f.out_names}
-        if not any(isinstance(v, torch.Tensor) for v in fargs.values()):
+        if not any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(
+                isinstance(x, torch.Tensor) for x in v)) for v in fargs.values()):
             # A factory's out= form (e.g. arange into an empty device tensor): make it here.
             first_out = bound[f.out_names[0]]
             fargs.setdefault("dtype", first_out.dtype)

@@ -327,17 +327,26 @@ def _sort(x, *args, stable=None, dim=-1, descending=False):
     return jnp.take_along_axis(x, idx, axis=dim), idx.astype(np.int64)
 
 
+def _order_key(x):
+    """Integers ordered as floats ``x`` are in PyTorch, every NaN above +inf: ``lax.top_k``
+    ranks a NaN with its sign bit set (what XLA's ``sqrt`` and ``log`` of a negative give) below
+    every number, so ``sqrt(x).topk(k)`` left the NaNs out."""
+    bits = {2: np.int16, 4: np.int32, 8: np.int64}[x.dtype.itemsize]
+    b = lax.bitcast_convert_type(x, bits)
+    b = jnp.where(jnp.isnan(x), jnp.array(np.iinfo(bits).max, bits), b)
+    # Negative floats' bits count up as the floats go down: flip all but the sign bit.
+    return b ^ ((b >> (8 * x.dtype.itemsize - 1)) & np.iinfo(bits).max)
+
+
 @rule(aten.topk)
 def _topk(x, k, dim=-1, largest=True, sorted=True):
     if x.ndim == 0:
         return x, jnp.zeros((), np.int64)
     dim = dim % x.ndim
     moved = jnp.moveaxis(x, dim, -1)
-    if largest:
-        vals, idx = lax.top_k(moved, k)
-    else:
-        _, idx = lax.top_k(_reversed_order(moved), k)
-        vals = jnp.take_along_axis(moved, idx, axis=-1)
+    key = _order_key(moved) if _category(x.dtype) == _FLOAT else moved
+    _, idx = lax.top_k(key if largest else _reversed_order(key), k)
+    vals = jnp.take_along_axis(moved, idx, axis=-1)
     return jnp.moveaxis(vals, -1, dim), jnp.moveaxis(idx, -1, dim).astype(np.int64)
 
 
