@@ -13,7 +13,7 @@ import torch.nn as nn
 import xshard
 from compile_testing import (DEV, OPTIMIZERS, assert_models_close, assert_state_close,
                              compiled_step, make_batches, scheduler, train_compiled, train_lazy,
-                             twins)
+                             train_update, twins)
 from xshard.step.errors import StateError
 
 MORE = {
@@ -73,17 +73,15 @@ def test_optimizer_forms(opt_name, foreach):
     _check(opt_name, foreach)
 
 
-def test_adagrad_is_refused_naming_its_host_step_count():
+def _linear_step(make_optimizer):
+    """A step training a small Linear with the optimizer ``make_optimizer(params)`` makes."""
     model = nn.Linear(3, 2).to(DEV)
-    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    opt = make_optimizer(model.parameters())
+    return lambda x: train_update(lambda v: model(v).sum(), opt, x)
 
-    def train_step(x):
-        loss = model(x).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
+def test_adagrad_is_refused_naming_its_host_step_count():
+    train_step = _linear_step(lambda p: torch.optim.Adagrad(p, lr=0.1))
     with pytest.raises(StateError, match=r"state\[.*\]\['step'\], a Python value"):
         xshard.compile(train_step)(torch.ones(2, 3).to(DEV))
     loss = train_step(torch.ones(2, 3).to(DEV))  # the lazy path still runs it
@@ -143,16 +141,8 @@ def test_device_tensor_learning_rate_is_guarded():
 def test_host_read_in_an_optimizer_step_names_the_optimizer_and_the_fix():
     """A device-tensor rate is a constant of the program, which the for-loop RMSprop reads as a
     Python number: refused, naming the optimizer and the form that keeps it a tensor."""
-    model = nn.Linear(3, 2).to(DEV)
-    opt = torch.optim.RMSprop(model.parameters(), lr=torch.tensor(0.01).to(DEV), foreach=False)
-
-    def train_step(x):
-        loss = model(x).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    train_step = _linear_step(
+        lambda p: torch.optim.RMSprop(p, lr=torch.tensor(0.01).to(DEV), foreach=False))
     with pytest.raises(Exception, match=r"RMSprop\.step, which reads a tensor as a Python number "
                                         r"in its for-loop form: pass foreach=True"):
         xshard.compile(train_step)(torch.ones(2, 3).to(DEV))
