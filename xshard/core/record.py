@@ -255,9 +255,6 @@ def mutate(func, f, args, kwargs):
         else:
             # Defaults made explicit pick the matching overload: bernoulli_(p=0.5) -> bernoulli.p.
             result = functional(*_with_defaults(func, args), **kwargs)
-        for r, t in zip(*((result, args[0]) if isinstance(args[0], (list, tuple))
-                          else ((result,), (args[0],)))):
-            check_cast(r.dtype, t.dtype)
         return _write_results(args[0], result)
     # A functional twin returns the op's own outputs followed by the new value of each written arg.
     result = functional(**bound)
@@ -338,10 +335,10 @@ def _check_cast(spec, target) -> None:
         for s, t in zip(spec[2], target):
             _check_cast(s, t)
     elif spec[0] == "t":
-        check_cast(spec[3], target.dtype)
+        _check_dtypes(spec[3], target.dtype)
 
 
-def check_cast(result, output) -> None:
+def _check_dtypes(result, output) -> None:
     """Raises PyTorch's error where dtype ``result`` may not be written into dtype ``output``."""
     if not torch.can_cast(result, output):
         raise RuntimeError(f"result type {_dtype_name(result)} can't be cast to the desired "
@@ -355,10 +352,13 @@ def _dtype_name(dtype) -> str:
 
 
 def _write_results(target, result):
+    """An in-place op's result written into its input(s), as ATen's casts allow."""
     if isinstance(target, (list, tuple)):
         for dst, src in zip(target, result):
+            _check_dtypes(src.dtype, dst.dtype)
             write(dst, _value_of(src))
         return None
+    _check_dtypes(result.dtype, target.dtype)
     write(target, _value_of(result))
     return target
 

@@ -201,18 +201,8 @@ def _inherit_sharding(source, out):
 
 
 def _view(func, f, args, kwargs):
-    if func is aten.as_strided.default:  # it indexes the storage, whatever view it is called on
-        t, size, stride, *offset = args
-        offset = offset[0] if offset else kwargs.get("storage_offset")
-        offset = t.storage_offset() if offset is None else offset
-        storage = _storage(t)
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-        if 0 not in tuple(size) and last >= storage.numel():
-            raise RuntimeError(
-                f"setStorage: sizes {list(size)}, strides {list(stride)} and storage offset "
-                f"{offset} reach element {last}, out of bounds for storage of size "
-                f"{storage.numel()}")
-        args, kwargs = (storage, size, stride, offset), {}
+    if func is aten.as_strided.default:
+        args, kwargs = _on_storage(*args, **kwargs), {}
     made = record.view_steps(func, f, args, kwargs)
     if made is None:  # a view op with a tensor-valued static argument: recorded as a value
         spec, node = record.record(func, f, args, kwargs)
@@ -222,6 +212,19 @@ def _view(func, f, args, kwargs):
     if spec[0] == "t":
         return _make_view(base, made, spec, func is not aten.as_strided.default)
     return spec[1]([_make_view(base, step, o, True) for step, o in made])
+
+
+def _on_storage(t: XTensor, size, stride, storage_offset=None) -> tuple:
+    """``as_strided``'s arguments taken on ``t``'s whole storage: it indexes the storage, whatever
+    view it is called on (its offset defaults to the view's own)."""
+    offset = t.storage_offset() if storage_offset is None else storage_offset
+    storage = _storage(t)
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if 0 not in tuple(size) and last >= storage.numel():
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)} and storage offset {offset} "
+            f"reach element {last}, out of bounds for storage of size {storage.numel()}")
+    return storage, size, stride, offset
 
 
 def _storage(t: XTensor) -> XTensor:

@@ -766,9 +766,8 @@ def _group_difference(opt, settings) -> str | None:
             return f"optimizer param_groups[{g}] keys: {sorted(recorded)} -> {sorted(group)}"
         for k, v in recorded.items():
             now = group.get(k)
-            if isinstance(v, optim_support.RateRecord):
-                if not v.matches(now):
-                    return f"optimizer param_groups[{g}][{k!r}]: {v!r} -> {now!r}"
-            elif now is not v and not same_value(now, v):
+            same = v.matches(now) if isinstance(v, optim_support.RateRecord) else (
+                now is v or same_value(now, v))
+            if not same:
                 return f"optimizer param_groups[{g}][{k!r}]: {v!r} -> {now!r}"
     return None
