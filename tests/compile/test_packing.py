@@ -6,6 +6,8 @@ between two unpacked runs)."""
 import copy
 import functools
 import gc
+import sys
+import weakref
 
 import pytest
 import torch
@@ -124,6 +126,41 @@ def test_reading_state_between_calls_cuts_the_pack_and_the_next_call_packs_again
             assert type(_node(m2.blocks[1].ln_2.weight)) is ir.PackedData
     torch.testing.assert_close(compiled, lazy, **ADAM_TOL)
     assert_models_close(m1, m2, **ADAM_TOL)
+    assert step.traces == 2
+
+
+def test_a_call_passed_its_pack_whole_moves_the_members_nodes_to_the_next_pack():
+    (m1, o1), (m2, o2) = _twins(_fsdp)
+    data = make_batches("gpt", 6)
+    step = compiled_step(m2, o2)
+    lazy = train_lazy(m1, o1, data[:3])
+    compiled = train_compiled(step, data[:3])  # the third call packs the members anew
+    members = [p for p in m2.parameters() if type(_node(p)) is ir.PackedData]
+    assert len(members) >= 4
+    view = members[0][:2]  # not read yet: holds no node
+    nodes = [weakref.ref(_node(p)) for p in members]  # (a strong one would keep a node apart)
+    versions = [api.storage_version(api.storage(p)) for p in members]
+    old = {n().pack for n in nodes}
+    for k in range(1, 3):
+        lazy += train_lazy(m1, o1, data[2 + k:3 + k])
+        compiled += train_compiled(step, data[2 + k:3 + k])
+        # The same nodes, now in the pack the call returned; a write counted in each storage;
+        # the consumed pack let go.
+        assert all(_node(p) is n() for p, n in zip(members, nodes))
+        assert {id(n().pack) for n in nodes} == {id(p) for p in step._last.packs}
+        assert all(n().pack.array is not None for n in nodes)
+        assert [api.storage_version(api.storage(p)) for p in members] == [v + k for v in versions]
+        assert all(sys.getrefcount(p) == 3 and not p.nodes for p in old)  # (old, p, the call)
+        old = {n().pack for n in nodes}
+    name = next(n for n, p in m2.named_parameters() if p is members[0])
+    torch.testing.assert_close(view.cpu(), dict(m1.named_parameters())[name][:2].detach().cpu(),
+                               **ADAM_TOL)
+    lazy += train_lazy(m1, o1, data[5:])
+    compiled += train_compiled(step, data[5:])  # the read cut the pack: packed anew
+    assert all(_node(p) is not n() for p, n in zip(members, nodes))
+    torch.testing.assert_close(compiled, lazy, **ADAM_TOL)
+    assert_models_close(m1, m2, **ADAM_TOL)
+    assert_state_close(o1, o2, **ADAM_TOL)
     assert step.traces == 2
 
 

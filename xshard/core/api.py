@@ -28,7 +28,7 @@ __all__ = ["XTensor", "DEVICE_TYPE", "is_device_tensor", "value", "write", "is_v
            "settled", "storage_data", "array", "sync", "evaluate", "to_cpu", "upload", "data_node",
            "data_node_maker", "constrain", "default_sharding", "error", "relayout",
            "upload_annotated", "pad_host", "crop_host", "pad_node", "crop_node", "storage_value",
-           "storage_version", "write_storage", "live_storages", "pending_storages", "quarantine", "executable",
+           "storage_version", "count_write", "write_storage", "live_storages", "pending_storages", "quarantine", "executable",
            "placed"]
 
 
@@ -214,6 +214,12 @@ def write_storage(storage, node: ir.Node) -> None:
 def write_data(storage, node: ir.Node) -> None:
     """``write_storage`` for a data node, faster when the storage holds data already."""
     storage.write_data(node)
+
+
+def count_write(storage) -> None:
+    """Counts a write into ``storage`` whose data node now holds another value (a compiled step
+    moved a packed node to the next pack: see [Note: packed state] in xshard/step/packing.py)."""
+    storage.version += 1
 
 
 def live_storages() -> list:

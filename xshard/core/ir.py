@@ -265,6 +265,12 @@ class PackedData(Node):
     def payload(self, array):
         _PAYLOAD.__set__(self, array)
 
+    def move_to(self, pack) -> None:
+        """Makes this node member ``member`` of ``pack``, a pack of the same layout, instead of
+        its pack (whole: never cut out). Only for a node nothing but its storage holds: a
+        compiled step writing the next value of its state (see [Note: packed state])."""
+        self.pack, self.placed = pack, None
+
     def arrays(self) -> tuple:
         """The array this node keeps alive: the packed one, or its own once cut out."""
         own = _PAYLOAD.__get__(self)

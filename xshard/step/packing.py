@@ -28,7 +28,11 @@ at the first replay or when a slot holds another node (a parameter loaded in bet
 
 A packed array is donated to the next call. A member's node that something besides its storage
 holds (a tensor sharing its data, a pending lazy computation) must keep its value, so the call
-packs anew instead, which cuts the old pack first.
+packs anew instead, which cuts the old pack first. When the call passed the pack as it was (every
+member's node held by its storage alone), the nodes themselves move to the new pack, and each
+storage counts a write: nothing else can see the old value, so no node is made, written or freed
+per member (about 0.13 ms of host time per call of the small GPT on 8 CPU devices, where each is a
+cold cache miss).
 """
 
 from __future__ import annotations

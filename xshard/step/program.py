@@ -284,11 +284,13 @@ class Program:
         # Packed state (see [Note: packed state] in packing.py): the plain program's traced
         # function and XLA options until the first replay plans the packs; then a packing.Packed,
         # or False; per pack, its layout and (slot, reference count) per member; the packs the
-        # last call stored; per pack, (member, node maker, targets) of its outputs.
+        # last call stored; those the running call passes as they were (else None); per pack,
+        # (member, node maker, targets) of its outputs.
         self.plain = None
         self.packed = None
         self.pack_slots: list = []
         self.packs: list = []
+        self.passed: list = []
         self.pack_plan: list = []
         self.new_packs = None  # the packed arrays the running call returned
 
@@ -534,11 +536,10 @@ class Program:
         self.packed = packing.Packed(layouts, len(self.inputs), len(outputs))
         slot_of = dict(self.donated)
         packed_in = {m.input for layout in layouts for m in layout.members}
-        self.pack_slots = [(layout, [(slot_of[m.input], self.base_refs[slot_of[m.input]][0])
-                                     for m in layout.members]) for layout in layouts]
         self.packs = [None] * len(layouts)
+        self.passed = [None] * len(layouts)
         plan = {position: (maker, targets) for position, maker, targets in self.write_plan}
-        self.pack_plan = []
+        self.pack_plan, self.pack_slots = [], []
         for layout in layouts:
             entries = []
             for k, m in enumerate(layout.members):
@@ -546,6 +547,12 @@ class Program:
                 w = targets[0][1]
                 entries.append((k, ir.packed_data_maker(w.shape, w.dtype, w.sharding), targets))
             self.pack_plan.append((layout, entries))
+            members = [slot_of[m.input] for m in layout.members]
+            # Whether each member goes back to its own slot only: its node can then move on.
+            movable = all(len(targets) == 1 and targets[0][0] == i
+                          for i, (_, _, targets) in zip(members, entries))
+            self.pack_slots.append((layout, [(i, self.base_refs[i][0]) for i in members],
+                                    movable))
         packed_out = {m.output for layout in layouts for m in layout.members}
         self.write_plan = [e for e in self.write_plan if e[0] not in packed_out]
         self.donated = [(p, i) for p, i in self.donated if p not in packed_in]
@@ -554,9 +561,10 @@ class Program:
     def _packs(self) -> list:
         """This call's packed arrays: those the last call stored, when their members are still
         in place and held by nothing else, else packed anew from the members."""
-        source, value, getrefcount = self.source, api.storage_value, sys.getrefcount
+        source, storage = self.source, self.storage
+        value, getrefcount = api.storage_value, sys.getrefcount
         arrays = []
-        for g, (layout, members) in enumerate(self.pack_slots):
+        for g, (layout, members, movable) in enumerate(self.pack_slots):
             pack = self.packs[g]
             intact = pack is not None and pack.array is not None
             for k, (i, base) in enumerate(members):
@@ -567,8 +575,11 @@ class Program:
                 if type(node) is not ir.PackedData or node.pack is not pack or \
                         node.member != k or getrefcount(node) != base:
                     intact = False
+                elif storage[i] is not source[i]:  # a view now: the node stays
+                    movable = False
             arrays.append(pack.array if intact else
                           layout.pack([value(source[i]).payload for i, _ in members]))
+            self.passed[g] = pack if intact and movable else None
             self.packs[g] = None
         return arrays
 
@@ -683,15 +694,34 @@ class Program:
                 self._store(w, node)
 
     def _store_packs(self) -> None:
-        """Stores the packed arrays the call returned: a ``PackedData`` node per member."""
+        """Stores the packed arrays the call returned: into the members' nodes of the pack it
+        consumed when it passed that pack as it was, else into a new ``PackedData`` node per
+        member (see [Note: packed state] in packing.py)."""
         arrays, self.new_packs = self.new_packs, None
         for g, ((layout, entries), array) in enumerate(zip(self.pack_plan, arrays)):
             pack = packing.Pack(array, layout)
-            nodes = [make(pack, k) for k, make, _ in entries]
-            for node, (_, _, targets) in zip(nodes, entries):
-                self._write(node, targets)
-            pack.hold(nodes)
+            passed, self.passed[g] = self.passed[g], None
+            if passed is not None:
+                self._move_nodes(passed, pack, self.pack_slots[g][1])
+            else:
+                nodes = [make(pack, k) for k, make, _ in entries]
+                for node, (_, _, targets) in zip(nodes, entries):
+                    self._write(node, targets)
+                pack.hold(nodes)
             self.packs[g] = pack
+
+    def _move_nodes(self, passed, pack, members) -> None:
+        """Points the members' nodes of ``passed``, the pack the call consumed as it was (each
+        node in its slot's storage alone: see ``_packs``), at ``pack``, and counts a write in
+        each storage."""
+        for ref in passed.nodes:
+            ref().move_to(pack)
+        pack.nodes, passed.nodes = passed.nodes, ()
+        storage, expect_version, version = self.storage, self.expect_version, api.storage_version
+        for i, _ in members:
+            api.count_write(storage[i])
+            if expect_version[i] is not None:
+                expect_version[i] = version(storage[i])
 
     def _store(self, w: Write, node) -> None:
         """Stores ``node`` (output ``w.position``) into its slot, whatever the slot holds now."""
