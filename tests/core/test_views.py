@@ -247,6 +247,25 @@ def test_as_strided_out_of_bounds_raises():
     assert_same(x[2:].as_strided((8,), (1,)), torch.arange(10)[2:].as_strided((8,), (1,)))
 
 
+@pytest.mark.filterwarnings("ignore:xshard has no lowering")
+def test_results_run_on_cpu_keep_eagers_strides():
+    # nonzero runs on CPU (its shape depends on the values) and returns a column-major result:
+    # its strides, what as_strided reads and whether view(-1) is allowed are eager's.
+    x = torch.tensor([[1, 0, 2], [1, 1, 0]])
+    d = x.to(DEV).nonzero()
+    e = x.nonzero()
+    assert d.stride() == e.stride() == (1, 4) and not d.is_contiguous()
+    assert_same(d, e)
+    assert_same(d.as_strided((3,), (1,)), e.as_strided((3,), (1,)))
+    assert_same(d.as_strided((2, 2), (2, 1), 1), e.as_strided((2, 2), (2, 1), 1))
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        d.view(-1)
+    assert_same(d.reshape(-1), e.reshape(-1))
+    assert (d + 1).stride() == (e + 1).stride()
+    one = torch.tensor([0, 3, 0, 4])  # (2, 1): a size-1 dim's stride is free
+    assert_same(one.to(DEV).nonzero().as_strided((2,), (1,)), one.nonzero().as_strided((2,), (1,)))
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
 def test_mutation_through_views(case):
     check(case, base())

@@ -63,7 +63,22 @@ def cpu_fallback(func, args, kwargs, new_tensor):
             return x
         if id(x) in moved:
             return moved[id(x)]
-        stride = x.stride() if x.is_contiguous() else contiguous_strides(x.shape)
+        # A dense result keeps its strides (``nonzero`` is column-major, as are many linalg
+        # results): ``view``, ``as_strided`` and ``stride()`` then see what eager sees.
+        stride = x.stride() if _dense(x.shape, x.stride()) else contiguous_strides(x.shape)
         return new_tensor(upload_node(x.contiguous()), stride)
 
     return tree_map(to_dev, out)
+
+
+def _dense(shape, stride) -> bool:
+    """Whether strides ``stride`` lay a tensor of ``shape`` out densely, without overlap."""
+    expected = 1
+    for size, step in sorted(zip(shape, stride), key=lambda p: p[1]):
+        if size == 0:
+            return False
+        if size != 1:
+            if step != expected:
+                return False
+            expected *= size
+    return True
