@@ -292,6 +292,49 @@ def test_integer_arange_with_float_bounds():
         torch.testing.assert_close(got.cpu(), want)
 
 
+def test_convolution_with_one_value_for_every_spatial_dim():
+    """``padding='valid'`` reaches aten.convolution as ``[0]``, one value for every spatial dim
+    (as may stride and dilation): conv2d and conv3d with it failed to lower."""
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    x2, w2, x3, w3 = (torch.randn(2, 2, 7, 7), torch.randn(3, 2, 3, 3),
+                      torch.randn(2, 5, 5, 5), torch.randn(3, 2, 2, 2, 2))
+    check_eager(lambda x, w: (F.conv2d(x, w, padding="valid"),
+                              F.conv2d(x, w, padding="valid", stride=2),
+                              F.conv2d(x[0], w, padding="valid"),
+                              torch.ops.aten.convolution(x, w, None, [2], [1], [2], False, [0], 1),
+                              F.conv_transpose2d(x, w.transpose(0, 1), stride=2,
+                                                 output_padding=1)),
+                x2, w2, rtol=1e-5, atol=1e-5)
+    check_eager(lambda x, w: (F.conv3d(x, w, padding="valid"), F.conv3d(x, w, padding="same")),
+                x3, w3, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("shape", [(5,), (3, 5)], ids=["one sample", "batch"])
+def test_nll_loss_ignored_rows_get_no_gradient(reduction, shape):
+    """Every row ignored (an all-padding batch): the mean's total weight is 0 and xshard's
+    gradient was NaN where ATen writes none (0). A single sample's unreduced loss is 0-d."""
+    torch.manual_seed(0)
+    target = torch.tensor(2) if len(shape) == 1 else torch.tensor([2, 4, 2])
+    weight = torch.tensor([1.0, 0.0, 2.0, 0.5, 0.0])
+
+    def losses(x, t, w):
+        out = []
+        for ignore in (2, 1, -100):
+            for wt in (None, w):
+                for scale in (3.0, math.inf):
+                    x.grad = None
+                    loss = torch.nn.functional.nll_loss(x, t, weight=wt, reduction=reduction,
+                                                        ignore_index=ignore)
+                    (loss * scale).sum().backward()
+                    out += [loss.detach(), x.grad]
+        return out
+
+    x = torch.randn(shape).log_softmax(-1)
+    check_eager(lambda x, t, w: losses(x.requires_grad_(), t, w), x, target, weight)
+
+
 def test_threshold_of_integers_compares_in_their_dtype():
     x = torch.tensor([0, 1, 2, -1])
     check_eager(lambda x: (torch.nn.functional.threshold(x, 1.9, -2),

@@ -27,6 +27,10 @@ def _conv_dimension_numbers(nd):
 def _convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     nd = x.ndim - 2
     dn = _conv_dimension_numbers(nd)
+    # One value stands for every spatial dim, as in ATen (``padding='valid'`` passes ``[0]``).
+    stride, padding, dilation, output_padding = (
+        tuple(v) * nd if len(v) == 1 else tuple(v)
+        for v in (stride, padding, dilation, output_padding))
     # A 16-bit float convolution with a bias is summed with it in float32 and rounded once, as
     # ATen's CPU kernels do (rounding the convolution first differed in a quarter of the
     # elements of a bfloat16 conv2d).
@@ -342,7 +346,8 @@ def _adaptive_avg_pool_backward(grad, x):
 
 @rule(aten.nll_loss_forward.default)
 def _nll_loss_forward(x, target, weight, reduction, ignore_index):
-    if x.ndim == 1:
+    squeeze = x.ndim == 1  # one sample: its unreduced loss is 0-d
+    if squeeze:
         x = x[None]
         target = target[None]
     picked = -jnp.take_along_axis(x, jnp.clip(target, 0, x.shape[1] - 1)[:, None], axis=1)[:, 0]
@@ -350,7 +355,7 @@ def _nll_loss_forward(x, target, weight, reduction, ignore_index):
     losses = jnp.where(target != ignore_index, picked * wt, 0)  # an ignored row is 0, even NaN
     total_weight = jnp.sum(wt)
     if reduction == 0:
-        return losses, jnp.zeros((), x.dtype)
+        return losses[0] if squeeze else losses, jnp.zeros((), x.dtype)
     if reduction == 1:
         return jnp.sum(losses) / total_weight, total_weight
     return jnp.sum(losses), total_weight
@@ -366,9 +371,12 @@ def _nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_w
     if reduction == 0:
         g = grad.reshape(-1) * wt
     elif reduction == 1:
-        g = grad * wt / total_weight
+        g = wt * (grad / total_weight)  # ATen's order: 0 * (g / 0) is NaN, as in eager
     else:
         g = grad * wt
+    # ATen writes no gradient into an ignored row: 0 even where every row is ignored (a mean's
+    # total weight 0) or the incoming gradient is not finite.
+    g = jnp.where(target != ignore_index, g, jnp.zeros((), g.dtype))
     # -g at each row's target column: an elementwise select (a scatter into zeros at (row, target)
     # would make the SPMD partitioner gather the targets of every device, the rows being implicit).
     hit = jnp.clip(target, 0, x.shape[1] - 1)[:, None] == jnp.arange(x.shape[1])
