@@ -168,3 +168,87 @@ def test_checkpoint_recomputes():
     checkpoint(lambda t: dlin(t).relu(), xd, use_reentrant=False).sum().backward()
     assert_same(dlin.weight.grad, lin.weight.grad, rtol=1e-5, atol=1e-6)
     assert_same(xd.grad, x.grad, rtol=1e-5, atol=1e-6)
+
+
+# Run in a child process: before the fix each of these ended the process (std::terminate from
+# PyTorch's Python device guard; see [Note: errors in backward] in xshard/core/tensor.py), which
+# would take the test session with it.
+_ERRORS_IN_BACKWARD = r"""
+import warnings
+import torch
+import torch.nn.functional as F
+import xshard
+
+warnings.simplefilter("ignore")
+D = xshard.device()
+
+
+class BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.mm(g[:, :2], g)  # a shape error, as in eager
+
+
+for device in ("cpu", D):
+    x = torch.randn(3, 3, device=device, requires_grad=True)
+    for run in (lambda: BadBackward.apply(x).sum().backward(),
+                lambda: torch.autograd.grad(BadBackward.apply(x).sum(), x)):
+        try:
+            run()
+            print(device.type if hasattr(device, "type") else device, "no error")
+        except RuntimeError as e:
+            print(str(device).split(":")[0], "RuntimeError", "3" in str(e))
+    (x * 3).sum().backward()  # and backward goes on working
+    print(str(device).split(":")[0], "after", x.grad.cpu().tolist() == [[3.0] * 3] * 3)
+
+# An op an engine node runs (not a Python function) raises: its error too.
+from xshard.core import tensor
+dispatch = tensor.dispatch
+
+
+def failing(func, args, kwargs):
+    if func is torch.ops.aten.mul.Tensor and torch._C._current_graph_task_id() >= 0:
+        raise ValueError("mul failed in backward")
+    return dispatch(func, args, kwargs)
+
+
+tensor.dispatch = failing
+x = torch.randn(3, device=D, requires_grad=True)
+for run in (lambda: (x.sin() * x).sum().backward(),
+            lambda: torch.autograd.grad((x.sin() * x).sum(), x)):
+    try:
+        run()
+        print("node no error")
+    except ValueError as e:
+        print("node", e)
+tensor.dispatch = dispatch
+(x * 3).sum().backward()
+print("node after", x.grad is not None)
+
+# A mean over no element: PyTorch's meta kernels and decompositions divide by the element count.
+for loss in (F.mse_loss, F.huber_loss, F.l1_loss, lambda a, b: F.smooth_l1_loss(a, b, beta=0.5)):
+    x, y = torch.randn(0, 3, requires_grad=True), torch.randn(0, 3)
+    xd = x.detach().to(D).requires_grad_()
+    loss(x, y).backward()
+    out = loss(xd, y.to(D))
+    out.backward()
+    print("empty", out.cpu().isnan().item(), tuple(xd.grad.shape) == tuple(x.grad.shape))
+"""
+
+
+def test_errors_raised_in_backward_are_raised_by_backward():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _ERRORS_IN_BACKWARD], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:6] == ["cpu RuntimeError True", "cpu RuntimeError True", "cpu after True",
+                         "xshard RuntimeError True", "xshard RuntimeError True",
+                         "xshard after True"], proc.stdout
+    assert lines[6:9] == ["node mul failed in backward"] * 2 + ["node after True"], proc.stdout
+    assert lines[9:] == ["empty True True"] * 4, proc.stdout

@@ -151,7 +151,7 @@ def _cache(caches: dict) -> dict:
     return cache
 
 
-def _to_meta(x):
+def to_meta(x):
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     if isinstance(x, torch.device) and x.type == DEVICE_TYPE:
@@ -165,7 +165,7 @@ def meta(func, args, kwargs, key: tuple):
     cache = _cache(_META)
     entry = cache.get(key)
     if entry is None:
-        out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         entry = cache[key] = (_describe(out),
                               ir.intern_key(("call", key, torch.get_default_dtype())))
     return entry
@@ -190,7 +190,10 @@ def record(func, f, args, kwargs):
     key = tuple(rec.key)
     try:
         spec, node_key = meta(func, args, kwargs, key)
-    except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException) as e:
+    except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException,
+            ZeroDivisionError) as e:
+        # (A meta kernel that divides by an element count fails on empty inputs that eager
+        # takes: ``mse_loss_backward`` of a mean over no element.)
         raise NoMeta(str(e)) from e
     return spec, _node(func, f, tuple(rec.inputs), template, spec, node_key)
 

@@ -14,8 +14,11 @@ The path of one call (its route comes from the op's facts, xshard.core.ops):
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 
 import torch
+from torch.utils._pytree import tree_map
 
 from xshard.core import ir, ops, record, trace, transfer
 from xshard.core.backend import DEVICE
@@ -67,7 +70,12 @@ class XTensor(LazyTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return dispatch(func, args, kwargs or {})
+        try:
+            return dispatch(func, args, kwargs or {})
+        except Exception as e:
+            if _graph_task_id() < 0 or not _called_by_engine(sys._getframe(0).f_back):
+                raise
+            return _raised_in_backward(func, args, kwargs or {}, e)
 
     def __repr__(self, *, tensor_contents=None):
         text = repr(to_cpu(self))
@@ -184,6 +192,8 @@ def dispatch(func, args, kwargs):
             if str(e):  # an xshard refusal, with its reason: raise it
                 raise
             out = NotImplemented  # PyTorch's reference does not cover these arguments
+        except ZeroDivisionError:  # it divides by an element count: a mean over no element
+            out = NotImplemented
         if out is not NotImplemented:
             return out
     return _fallback(func, args, kwargs)
@@ -191,6 +201,51 @@ def dispatch(func, args, kwargs):
 
 def _fallback(func, args, kwargs):
     return cpu_fallback(func, args, kwargs, new_base)
+
+
+# [Note: errors in backward]
+# An op autograd's engine runs on the xshard device runs under a stream guard of PyTorch's Python
+# device guard, whose destructor calls into Python. A Python exception raised by the op leaves the
+# interpreter's error set while the C++ stack unwinds through that destructor, whose call then
+# fails inside a noexcept function: std::terminate, the whole process gone ("terminate called
+# without an active exception"), for an error that eager raises from backward(). So an op that
+# raises there returns zeros of its output's shape (its meta kernel's) and the error is raised by a
+# callback queued on the engine, which runs once the graph's nodes have, where the error travels
+# as PyTorch's own errors do: backward() (or autograd.grad) raises it, with its type and message.
+# An op a Python function calls (a custom Function's backward, a hook) raises as anywhere: the
+# function's caller keeps the error apart before the stack unwinds.
+_graph_task_id = torch._C._current_graph_task_id
+_DEFERRED: dict = {}  # graph task id -> the first error one of its ops raised
+_ENGINE_ENTRY = torch.autograd.graph._engine_run_backward.__code__
+
+
+def _called_by_engine(caller) -> bool:
+    """Whether the op whose dispatch frame ``caller`` follows was called by one of the engine's
+    nodes: no Python caller (an engine thread), or the call that started the engine (nodes run
+    on the calling thread: reentrant backward, multithreading off)."""
+    return caller is None or caller.f_code is _ENGINE_ENTRY
+
+
+
+def _raised_in_backward(func, args, kwargs, error):
+    task = _graph_task_id()
+    if task not in _DEFERRED:
+        _DEFERRED[task] = error
+
+        def raise_deferred():
+            raise _DEFERRED.pop(task)
+
+        torch.autograd.Variable._execution_engine.queue_callback(raise_deferred)
+    try:
+        out = func(*tree_map(record.to_meta, args), **tree_map(record.to_meta, kwargs))
+    except Exception:
+        # No shape to stand in with: the engine fails on the first tensor argument's instead,
+        # with its own error; say which error that hides.
+        warnings.warn(f"{func} raised in backward: {type(error).__name__}: {error}",
+                      stacklevel=2)
+        out = next(a for a in args if isinstance(a, torch.Tensor))
+    return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=DEVICE)
+                    if isinstance(t, torch.Tensor) else t, out)
 
 
 def _inherit_sharding(source, out):
