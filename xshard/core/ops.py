@@ -83,8 +83,38 @@ def _floating_only(func):
     return decompose
 
 
+def _multilabel_margin_loss_forward(x, target, reduction):
+    """Per sample, the mean over classes c of the sum over its labels j (those before the first
+    -1) of ``max(0, 1 - (x[j] - x[c]))``, c not a label; and which classes are labels. PyTorch's
+    decomposition also counted the slots after the -1, as labels of class 0 (x = [.1, .2, .4, .8],
+    labels [3, 0, -1, 1]: 2.05 where eager gives 0.85)."""
+    torch._check(x.dim() <= 2 and x.shape[-1] != 0, lambda: (
+        f"Expected non-empty vector or matrix with optional 0-dim batch size, but got: "
+        f"{tuple(x.shape)}"))
+    torch._check(target.shape == x.shape, lambda: (
+        f"inconsistent target size: {tuple(target.shape)} for input of size: {tuple(x.shape)}"))
+    rows, labels = torch.atleast_2d(x), torch.atleast_2d(target)
+    n = rows.shape[-1]
+    slot = torch.arange(n, device=labels.device)
+    end = torch.where(labels == -1, slot, n).amin(dim=-1, keepdim=True)
+    listed = slot < end  # (N, slot): the slot holds a label
+    is_label = (torch.where(listed, labels, -1).unsqueeze(-1) == slot).any(dim=1)  # (N, class)
+    picked = rows.gather(-1, torch.where(listed, labels, 0))  # x at each slot's label
+    margins = (1 - picked.unsqueeze(-1) + rows.unsqueeze(-2)).clamp_min(0) / n
+    counted = listed.unsqueeze(-1) & ~is_label.unsqueeze(-2)  # (N, slot, class)
+    loss = torch.where(counted, margins, 0).sum(dim=(-2, -1))
+    if reduction == 1:
+        loss = loss.mean()
+    elif reduction == 2:
+        loss = loss.sum()
+    else:
+        loss = loss.reshape(x.shape[:-1])
+    return loss, is_label.to(x.dtype).reshape(target.shape)
+
+
 # Where PyTorch's decomposition differs from its eager CPU kernel, by op.
 DECOMPOSITIONS = {
+    aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
     # uint8 bilinear resizing: the CPU kernel weighs in fixed point, one dim at a time, rounding
     # in between; the decomposition weighs in float32 and rounds once, half to even. The results
     # differ by 1 at many pixels (6.5 gives 6, eager 7).
