@@ -252,3 +252,17 @@ def test_errors_raised_in_backward_are_raised_by_backward():
                          "xshard after True"], proc.stdout
     assert lines[6:9] == ["node mul failed in backward"] * 2 + ["node after True"], proc.stdout
     assert lines[9:] == ["empty True True"] * 4, proc.stdout
+
+
+def test_double_backward_through_abs():
+    """abs's derivative, sgn, has a zero derivative that autograd makes as an "efficient zero
+    tensor" (``aten._efficientzerotensor``), which had no xshard kernel."""
+    for dev in ("cpu", DEV):
+        x = torch.tensor([1.0, -2.0, 3.0], device=dev, requires_grad=True)
+        g, = torch.autograd.grad(F.l1_loss(x, torch.full((3,), 0.5, device=dev)) + x.abs().sum(),
+                                 x, create_graph=True)
+        gg, = torch.autograd.grad((g * x).sum(), x)
+        if dev == "cpu":
+            expected = (g.detach(), gg)
+        else:
+            assert_same((g.detach(), gg), expected)

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 aten = torch.ops.aten
 
 
-@rule(aten.empty.memory_format, aten.zeros.default)
+@rule(aten.empty.memory_format, aten.zeros.default, aten._efficientzerotensor.default)
 def _zeros(size, dtype=None, **kwargs):
     return jnp.zeros(tuple(size), np_dtype(dtype))
 
