@@ -93,13 +93,23 @@ def _batch_norm_train(x, weight, bias, eps):
 
 def _batch_norm_eval(x, weight, bias, running_mean, running_var, eps):
     shape = _bn_stats_shape(x)
-    rstd = lax.rsqrt(running_var + eps)
-    out = (x - running_mean.reshape(shape)) * rstd.reshape(shape)
+    mean, rstd = _running_stats(running_mean, running_var, eps)
+    out = (_widened(x) - mean.reshape(shape)) * rstd.reshape(shape)
     if weight is not None:
         out = out * weight.reshape(shape)
     if bias is not None:
         out = out + bias.reshape(shape)
     return out.astype(x.dtype)
+
+
+def _widened(x):
+    """``x`` in float32 when it is a 16-bit float (ATen's CPU kernels compute in float32)."""
+    return x.astype(np.float32) if x.dtype in HALF_FLOATS else x
+
+
+def _running_stats(running_mean, running_var, eps):
+    """The mean and ``1 / sqrt(var + eps)`` of running statistics, in float32 when 16-bit."""
+    return _widened(running_mean), lax.rsqrt(_widened(running_var) + eps)
 
 
 def _update_running(running, batch, momentum):
@@ -157,9 +167,9 @@ def _bn_backward(grad, x, weight, running_mean, running_var, save_mean, save_rst
     if train:
         mean, rstd = save_mean, save_rstd
     else:
-        mean, rstd = running_mean, lax.rsqrt(running_var + eps)
-    gf = grad.astype(np.float32) if grad.dtype in HALF_FLOATS else grad
-    xhat = (x - mean.reshape(shape)) * rstd.reshape(shape)
+        mean, rstd = _running_stats(running_mean, running_var, eps)
+    gf = _widened(grad)
+    xhat = (_widened(x) - mean.reshape(shape)) * rstd.reshape(shape)
     w = weight.reshape(shape) if weight is not None else 1.0
     gw = jnp.sum(gf * xhat, axis=axes)
     gb = jnp.sum(gf, axis=axes)
