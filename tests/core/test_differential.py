@@ -380,6 +380,28 @@ def test_batch_norm_with_running_stats_computes_16_bit_floats_in_float32(dtype):
         assert error(ours, ref) <= 2 * error(e, ref)
 
 
+def test_indices_out_of_range_read_nan_not_another_element():
+    """Eager raises; XLA clamps the index into range and read another element silently (x[i],
+    gather, nll_loss's target). xshard fills instead: NaN for floats, as embedding did."""
+    dev = xshard.device()
+    w = torch.arange(15.0).reshape(5, 3)
+    with pytest.raises(IndexError):
+        w[torch.tensor([1, 7])]
+    got = w.to(dev)[torch.tensor([1, 7, -1, -6]).to(dev)].cpu()
+    assert got[0].tolist() == w[1].tolist() and got[2].tolist() == w[-1].tolist()
+    assert got[1].isnan().all() and got[3].isnan().all()
+    got = w.to(dev).gather(0, torch.tensor([[1, 7, 2]]).to(dev)).cpu()
+    assert got[0, 0] == w[1, 0] and got[0, 1].isnan() and got[0, 2] == w[2, 2]
+    assert torch.arange(5).to(dev)[torch.tensor([9]).to(dev)].item() == torch.iinfo(torch.int64).min
+    x = torch.randn(3, 4).to(dev).requires_grad_()
+    target = torch.tensor([1, 4, -100]).to(dev)  # class 4 of 4 classes; -100 ignored
+    loss = torch.nn.functional.cross_entropy(x, target, reduction="none")
+    assert loss.cpu()[1].isnan() and loss.cpu()[[0, 2]].isfinite().all()
+    torch.nn.functional.cross_entropy(x, target).backward()
+    grad = x.grad.cpu()
+    assert grad[1].isnan().all() and grad[[0, 2]].isfinite().all()
+
+
 def test_threshold_of_integers_compares_in_their_dtype():
     x = torch.tensor([0, 1, 2, -1])
     check_eager(lambda x: (torch.nn.functional.threshold(x, 1.9, -2),

@@ -363,6 +363,8 @@ def _nll_loss_forward(x, target, weight, reduction, ignore_index):
     picked = -jnp.take_along_axis(x, jnp.clip(target, 0, x.shape[1] - 1)[:, None], axis=1)[:, 0]
     wt = _class_weights(x, target, weight, ignore_index)
     losses = jnp.where(target != ignore_index, picked * wt, 0)  # an ignored row is 0, even NaN
+    # A class out of range, which eager refuses, is NaN (see [Note: indices out of range]).
+    losses = jnp.where(_out_of_range(x, target, ignore_index), jnp.nan, losses)
     total_weight = jnp.sum(wt)
     if reduction == 0:
         return losses[0] if squeeze else losses, jnp.zeros((), x.dtype)
@@ -391,7 +393,13 @@ def _nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_w
     # would make the SPMD partitioner gather the targets of every device, the rows being implicit).
     hit = jnp.clip(target, 0, x.shape[1] - 1)[:, None] == jnp.arange(x.shape[1])
     out = jnp.where(hit, -g.astype(x.dtype)[:, None], jnp.zeros((), x.dtype))
+    out = jnp.where(_out_of_range(x, target, ignore_index)[:, None], jnp.nan, out)
     return out[0] if squeeze else out
+
+
+def _out_of_range(x, target, ignore_index):
+    """Rows whose target is no class of ``x`` (nor ``ignore_index``)."""
+    return (target != ignore_index) & ((target < 0) | (target >= x.shape[1]))
 
 
 def _class_weights(x, target, weight, ignore_index):

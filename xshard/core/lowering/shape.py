@@ -84,7 +84,7 @@ def _gather(x, dim, index, sparse_grad=False):
     dim = dim % x.ndim
     # ``index`` may be smaller than ``x`` along the other dims: gather reads their leading block.
     x = x[tuple(slice(None) if d == dim else slice(0, n) for d, n in enumerate(index.shape))]
-    return jnp.take_along_axis(x, index, axis=dim, mode="clip")
+    return jnp.take_along_axis(x, index, axis=dim, mode="fill")  # see [Note: indices out of range]
 
 
 def _as_aten_scatters(rule_fn):
@@ -212,9 +212,15 @@ def _index_tuple(x, indices):
     return tuple(idx)
 
 
+# [Note: indices out of range]
+# Eager raises for an index out of range; a compiled program cannot without reading the indices
+# back. XLA clamps them into range, which reads another element silently. xshard's gathers fill
+# instead (NaN for floats, the dtype's minimum for integers; jnp.take's ``fill``), so a bad index
+# shows in the values, as embedding and index_select already did; their backward drops the
+# update.
 @rule(aten.index.Tensor)
 def _index(x, indices):
-    return x[_index_tuple(x, indices)]
+    return x.at[_index_tuple(x, indices)].get(mode="fill")
 
 
 @rule(aten.index_put)
