@@ -216,7 +216,9 @@ def _fallback(func, args, kwargs):
 # function's caller keeps the error apart before the stack unwinds.
 _graph_task_id = torch._C._current_graph_task_id
 _DEFERRED: dict = {}  # graph task id -> the first error one of its ops raised
-_ENGINE_ENTRY = torch.autograd.graph._engine_run_backward.__code__
+# (PyTorch's function that calls the engine; None where a PyTorch release has another.)
+_ENGINE_ENTRY = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__",
+                        None)
 
 
 def _called_by_engine(caller) -> bool:
@@ -224,7 +226,6 @@ def _called_by_engine(caller) -> bool:
     nodes: no Python caller (an engine thread), or the call that started the engine (nodes run
     on the calling thread: reentrant backward, multithreading off)."""
     return caller is None or caller.f_code is _ENGINE_ENTRY
-
 
 
 def _raised_in_backward(func, args, kwargs, error):
@@ -243,7 +244,9 @@ def _raised_in_backward(func, args, kwargs, error):
         # with its own error; say which error that hides.
         warnings.warn(f"{func} raised in backward: {type(error).__name__}: {error}",
                       stacklevel=2)
-        out = next(a for a in args if isinstance(a, torch.Tensor))
+        out = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if out is None:
+            raise error
     return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=DEVICE)
                     if isinstance(t, torch.Tensor) else t, out)
 

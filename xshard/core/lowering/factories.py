@@ -60,17 +60,15 @@ def _scalar_tensor(value, dtype=None, **kwargs):
 @rule(aten.arange.start_step)
 def _arange(start, end, step=1, dtype=None, **kwargs):
     dtype = np_dtype(dtype)
+    sized = (start, end, step)
     if _category(dtype) < _FLOAT:
         # The values step from the start and step converted to integers. ATen sizes an int64
         # arange from its converted bounds and step too, any other integer dtype's from them as
         # given: arange(0.5, 7.3, 1.5) has 7 int64 elements, 5 int8 ones.
-        if dtype != np.int64:
-            n = int(math.ceil((end - start) / step))
-        start, end, step = int(start), int(end), int(step)
+        start, step = int(start), int(step)
         if dtype == np.int64:
-            n = int(math.ceil((end - start) / step))
-    else:
-        n = int(math.ceil((end - start) / step))
+            sized = (start, int(end), step)
+    n = int(math.ceil((sized[1] - sized[0]) / sized[2]))
     return _plus(start, jnp.arange(max(n, 0), dtype=np.float64 if _category(dtype) >= _FLOAT
                                    else np.int64) * step).astype(dtype)
 
