@@ -79,6 +79,8 @@ def _run(device, compiled, case):
             elif case == "hook replaced":
                 hook.remove()
                 hook = model.fc1.register_forward_hook(lambda m, args, out: out * 3)
+            elif case == "hook added":  # where the step was recorded with none
+                model.fc2.register_forward_hook(lambda m, args, out: out * 2)
         losses.append(step(x.to(device), y.to(device)).item())
     trained = {"global model": G_MODEL, "trainer attribute": trainer.model}.get(case, model)
     return losses, [p.detach().cpu() for p in trained.parameters()], step
@@ -93,6 +95,7 @@ _CASES = {
     "module function attribute": "number of attributes of a Linear",
     "parameter object": "model.fc2.bias is another tensor object",
     "hook replaced": "forward hooks of a Linear, entry",
+    "hook added": "number of forward hooks of a Linear: 0 -> 1",
 }
 
 

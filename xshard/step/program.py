@@ -351,7 +351,7 @@ class Program:
             reason = host.changed(self.host_tensors)
             if reason:
                 return reason
-        if [len(d) for d in self.sized] != self.sizes:
+        if list(map(len, self.sized)) != self.sizes:
             for d, n, name in zip(self.sized, self.sizes, self.size_names):
                 if len(d) != n:
                     return f"number of {name}: {n} -> {len(d)}"
@@ -418,6 +418,11 @@ class Program:
         self.binding_names.append(name)
 
     def hold(self, entries, name: str) -> None:
+        if not entries:  # the same entries while it stays empty: only its size is compared
+            self.sized.append(entries)
+            self.sizes.append(0)
+            self.size_names.append(name)
+            return
         entries = entries.values() if isinstance(entries, dict) else entries
         self.held.append(entries)
         self.held_values += entries
