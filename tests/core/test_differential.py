@@ -349,6 +349,9 @@ def test_multilabel_margin_loss_ends_its_labels_at_the_first_minus_one():
     def losses(x, y):
         out = [F.multilabel_margin_loss(x, y, reduction=r) for r in ("none", "mean", "sum")]
         out.append(F.multilabel_margin_loss(x[0], y[0], reduction="none"))
+        # A 0-d input is one class (the decomposition indexed its last dim).
+        out += [F.multilabel_margin_loss(x[0, 0], y[i], reduction=r)
+                for i in ((1, 3), (0, 2)) for r in ("none", "mean")]
         out[1].backward()
         return out + [x.grad]
 

@@ -88,7 +88,7 @@ def _multilabel_margin_loss_forward(x, target, reduction):
     -1) of ``max(0, 1 - (x[j] - x[c]))``, c not a label; and which classes are labels. PyTorch's
     decomposition also counted the slots after the -1, as labels of class 0 (x = [.1, .2, .4, .8],
     labels [3, 0, -1, 1]: 2.05 where eager gives 0.85)."""
-    torch._check(x.dim() <= 2 and x.shape[-1] != 0, lambda: (
+    torch._check(x.dim() <= 2 and (x.dim() == 0 or x.shape[-1] != 0), lambda: (
         f"Expected non-empty vector or matrix with optional 0-dim batch size, but got: "
         f"{tuple(x.shape)}"))
     torch._check(target.shape == x.shape, lambda: (
