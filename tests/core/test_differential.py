@@ -383,6 +383,31 @@ def test_batch_norm_with_running_stats_computes_16_bit_floats_in_float32(dtype):
         assert error(ours, ref) <= 2 * error(e, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_group_norm_of_16_bit_input_with_float32_weights_keeps_float32_statistics(dtype):
+    """Eager CPU normalizes a 16-bit input with float32 weights in float32 and returns float32
+    mean and 1/std; PyTorch's decomposition rounded them to 16 bits, and the weight's gradient
+    computed from them was 3.6e-2 from float64 where eager's is 1.1e-6 (bfloat16)."""
+    torch.manual_seed(0)
+    inputs = [(torch.randn(4, 8, 16) * 3 + 2).to(dtype), torch.randn(8), torch.randn(8),
+              torch.randn(4, 8, 16).to(dtype)]
+
+    def run(device, as_float64=False):
+        x, w, b, g = [(t.double() if as_float64 else t).to(device) for t in inputs]
+        x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+        out = torch.nn.functional.group_norm(x, 4, w, b)
+        out.backward(g)
+        stats = torch.ops.aten.native_group_norm(x.detach(), w.detach(), b.detach(), 4, 8, 16, 4,
+                                                 1e-5)[1:]
+        return [t.detach().cpu() for t in (out, x.grad, w.grad, b.grad, *stats)]
+
+    exact = [t.double() for t in run("cpu", as_float64=True)]
+    eager, ours = run("cpu"), run(xshard.device())
+    assert [t.dtype for t in ours] == [t.dtype for t in eager]  # float32 statistics
+    for e, o, ref in zip(eager, ours, exact):
+        assert (o.double() - ref).abs().max() <= 2 * (e.double() - ref).abs().max() + 1e-6
+
+
 def test_indices_out_of_range_read_nan_not_another_element():
     """Eager raises; XLA clamps the index into range and read another element silently (x[i],
     gather, nll_loss's target). xshard fills instead: NaN for floats, as embedding did."""

@@ -112,9 +112,24 @@ def _multilabel_margin_loss_forward(x, target, reduction):
     return loss, is_label.to(x.dtype).reshape(target.shape)
 
 
+def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
+    """A 16-bit input with float32 weights (the mixed dtypes eager CPU accepts) is normalized in
+    float32, and its mean and 1/std are float32, as in eager. PyTorch's decomposition rounded them
+    to the input's dtype: the weight's gradient, computed from them, was 3.6e-2 from float64 where
+    eager's is 1.1e-6 (bfloat16)."""
+    mixed = x.dtype in (torch.float16, torch.bfloat16) and (weight is not None or bias is not None) \
+        and all(t is None or t.dtype == torch.float32 for t in (weight, bias))
+    out, mean, rstd = _GROUP_NORM(x.float() if mixed else x, weight, bias, N, C, HxW, group, eps)
+    return (out.to(x.dtype) if mixed else out), mean, rstd
+
+
+_GROUP_NORM = decomposition_table[aten.native_group_norm.default]
+
+
 # Where PyTorch's decomposition differs from its eager CPU kernel, by op.
 DECOMPOSITIONS = {
     aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+    aten.native_group_norm.default: _native_group_norm,
     # uint8 bilinear resizing: the CPU kernel weighs in fixed point, one dim at a time, rounding
     # in between; the decomposition weighs in float32 and rounds once, half to even. The results
     # differ by 1 at many pixels (6.5 gives 6, eager 7).
