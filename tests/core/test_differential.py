@@ -408,6 +408,34 @@ def test_group_norm_of_16_bit_input_with_float32_weights_keeps_float32_statistic
         assert (o.double() - ref).abs().max() <= 2 * (e.double() - ref).abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("shape", [(5,), (3, 5), (3, 5, 4)], ids=["1-D", "2-D", "K-dim"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int8])
+def test_nll_loss_takes_the_target_dtypes_eager_takes(shape, dtype):
+    """Eager takes int64 class targets, and uint8 ones for 1-D and 2-D input. xshard refused
+    uint8 (the meta kernel's gather) and took int32 (meta kernel and K-dim decomposition)."""
+    torch.manual_seed(0)
+    x = torch.randn(shape).log_softmax(-1 if len(shape) == 1 else 1)
+    target = torch.randint(0, 5, shape[:1] + shape[2:] if len(shape) > 1 else ()).to(dtype)
+
+    def run(device):
+        out = []
+        for fn in (torch.nn.functional.nll_loss, torch.nn.functional.cross_entropy):
+            xd = x.to(device).detach().requires_grad_()
+            loss = fn(xd, target.to(device), ignore_index=3)
+            loss.backward()
+            out += [loss.detach().cpu(), xd.grad.cpu()]
+        return out
+
+    try:
+        expected = run("cpu")
+    except RuntimeError:
+        with pytest.raises(RuntimeError, match=r"target's dtype .* but got torch\.\w+; convert"):
+            run(xshard.device())
+        return
+    for a, b in zip(expected, run(xshard.device())):
+        torch.testing.assert_close(b, a)
+
+
 def test_indices_out_of_range_read_nan_not_another_element():
     """Eager raises; XLA clamps the index into range and read another element silently (x[i],
     gather, nll_loss's target). xshard fills instead: NaN for floats, as embedding did."""

@@ -126,10 +126,57 @@ def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
 _GROUP_NORM = decomposition_table[aten.native_group_norm.default]
 
 
+def _class_target(op: str, position: int, byte: bool):
+    """Checks the class target of ``op`` (argument ``position``) as eager CPU does: int64, or
+    uint8 where ``byte`` (nll_loss of 1-D and 2-D input). Returns the arguments with a uint8
+    target as int64, for a meta kernel (whose gather refuses uint8, and took int32)."""
+    allowed = (torch.int64, torch.uint8) if byte else (torch.int64,)
+
+    def check(args: tuple, kwargs: dict):
+        in_args = len(args) > position
+        target = args[position] if in_args else kwargs["target"]
+        if target.dtype not in allowed:
+            names = " or ".join(str(d) for d in allowed)
+            raise RuntimeError(f"{op}: expected the target's dtype to be {names}, but got "
+                               f"{target.dtype}; convert it: target.long()")
+        if target.dtype == torch.int64:
+            return args, kwargs
+        target = target.long()
+        if in_args:
+            return args[:position] + (target,) + args[position + 1:], kwargs
+        return args, {**kwargs, "target": target}
+
+    return check
+
+
+# Calls whose meta kernel takes other arguments than eager CPU: a function of the call's meta
+# arguments, raising where eager raises, returning those the meta kernel gives eager's result for.
+META_ARGUMENTS = {
+    aten.nll_loss_forward.default: _class_target("nll_loss", 1, byte=True),
+    aten.nll_loss_backward.default: _class_target("nll_loss", 2, byte=True),
+}
+
+
+def _checked(func, check):
+    """PyTorch's decomposition of ``func``, its arguments checked by ``check`` first."""
+    decomposition = decomposition_table[func]
+
+    def decompose(*args, **kwargs):
+        args, kwargs = check(args, kwargs)
+        return decomposition(*args, **kwargs)
+
+    return decompose
+
+
 # Where PyTorch's decomposition differs from its eager CPU kernel, by op.
 DECOMPOSITIONS = {
     aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
     aten.native_group_norm.default: _native_group_norm,
+    # Eager takes int64 targets only (its decomposition took int32, refused uint8 in a gather).
+    aten.nll_loss2d_forward.default: _checked(aten.nll_loss2d_forward.default,
+                                              _class_target("nll_loss2d", 1, byte=False)),
+    aten.nll_loss2d_backward.default: _checked(aten.nll_loss2d_backward.default,
+                                               _class_target("nll_loss2d", 2, byte=False)),
     # uint8 bilinear resizing: the CPU kernel weighs in fixed point, one dim at a time, rounding
     # in between; the decomposition weighs in float32 and rounds once, half to even. The results
     # differ by 1 at many pixels (6.5 gives 6, eager 7).

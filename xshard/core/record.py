@@ -20,7 +20,7 @@ from xshard.core import ir, rng
 from xshard.core.backend import DEVICE_TYPE
 from xshard.core.cells import LazyTensor, ViewStep
 from xshard.core.execute import upload_node
-from xshard.core.ops import NO_DEFAULT, facts
+from xshard.core.ops import META_ARGUMENTS, NO_DEFAULT, facts
 
 aten = torch.ops.aten
 
@@ -165,7 +165,11 @@ def meta(func, args, kwargs, key: tuple):
     cache = _cache(_META)
     entry = cache.get(key)
     if entry is None:
-        out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        args, kwargs = tree_map(to_meta, args), tree_map(to_meta, kwargs)
+        adapt = META_ARGUMENTS.get(func)
+        if adapt is not None:
+            args, kwargs = adapt(args, kwargs)
+        out = func(*args, **kwargs)
         entry = cache[key] = (_describe(out),
                               ir.intern_key(("call", key, torch.get_default_dtype())))
     return entry

@@ -356,6 +356,7 @@ def _adaptive_avg_pool_backward(grad, x):
 
 @rule(aten.nll_loss_forward.default)
 def _nll_loss_forward(x, target, weight, reduction, ignore_index):
+    target = target.astype(np.int64)  # uint8 targets: -100 is no uint8
     squeeze = x.ndim == 1  # one sample: its unreduced loss is 0-d
     if squeeze:
         x = x[None]
@@ -375,6 +376,7 @@ def _nll_loss_forward(x, target, weight, reduction, ignore_index):
 
 @rule(aten.nll_loss_backward.default)
 def _nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
+    target = target.astype(np.int64)
     squeeze = x.ndim == 1
     if squeeze:
         x = x[None]
