@@ -460,6 +460,19 @@ def test_adaptive_avg_pool_of_16_bit_floats_rounds_once(dtype, shape, size):
         assert ((ours - ref).abs() <= ref.abs() * ulp / 2 + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eval_mode_native_batch_norm_legit_runs(dtype):
+    """A direct call in eval mode failed to lower (its rule gave empty statistics where the meta
+    kernel says one per channel); its output is eager's, its statistics the meta kernel's."""
+    x, mean, var = torch.randn(3, 2, 4).to(dtype), torch.randn(2), torch.rand(2) + 0.5
+    op = torch.ops.aten._native_batch_norm_legit
+    expected = op(x, None, None, mean, var, False, 0.1, 1e-5)
+    dev = xshard.device()
+    out = op(x.to(dev), None, None, mean.to(dev), var.to(dev), False, 0.1, 1e-5)
+    torch.testing.assert_close(out[0].cpu(), expected[0])
+    assert [(tuple(t.shape), t.dtype) for t in out[1:]] == [((2,), torch.float32)] * 2
+
+
 def test_indices_out_of_range_read_nan_not_another_element():
     """Eager raises; XLA clamps the index into range and read another element silently (x[i],
     gather, nll_loss's target). xshard fills instead: NaN for floats, as embedding did."""

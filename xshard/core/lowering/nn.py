@@ -144,7 +144,10 @@ def _bn_legit_functional(x, weight, bias, running_mean, running_var, training, m
         return (out, mean, rstd, _update_running(running_mean, mean, momentum),
                 _update_running(running_var, unbiased, momentum))
     out = _batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
-    return out, jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype), running_mean, running_var
+    # No statistics in eval mode: eager CPU gives them empty, PyTorch's meta kernel (as CUDA) one
+    # float32 per channel, which xshard conforms to.
+    empty = jnp.zeros(x.shape[1:2], np.float32)
+    return out, empty, empty, running_mean, running_var
 
 
 @rule(aten._native_batch_norm_legit_no_training.default)
