@@ -74,6 +74,23 @@ def test_unsupported_dtype_message():
         torch.zeros(2, dtype=torch.complex32).to(DEV)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("make", [
+    lambda h: torch.complex(h, h), lambda h: h.chalf(), lambda h: h.to(torch.complex32),
+    lambda h: torch.view_as_complex(h.reshape(2, 2)),
+    lambda h: torch.zeros(2, dtype=torch.complex32, device=DEV)],
+    ids=["complex", "chalf", "to", "view_as_complex", "factory"])
+def test_a_result_of_an_unsupported_dtype_is_refused_at_the_call(make):
+    """The call made a complex32 tensor, and the next sync failed to lower it (torch.complex
+    with a raw JAX TypeError)."""
+    from xshard.core.dtypes import UnsupportedDtypeError
+
+    half = torch.arange(4.0).half().to(DEV)
+    with pytest.raises(UnsupportedDtypeError, match="complex32 .*not supported on xshard"):
+        make(half)
+    assert (half * 2).sum().item() == 12  # the next sync runs
+
+
 def test_bad_environment_values_are_reported():
     from xshard.core import runtime
 

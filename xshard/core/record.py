@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 from xshard.core import ir, rng
 from xshard.core.backend import DEVICE_TYPE
 from xshard.core.cells import LazyTensor, ViewStep
+from xshard.core.dtypes import UnsupportedDtypeError, to_numpy_dtype
 from xshard.core.execute import upload_node
 from xshard.core.ops import META_ARGUMENTS, NO_DEFAULT, facts
 
@@ -170,9 +171,21 @@ def meta(func, args, kwargs, key: tuple):
         if adapt is not None:
             args, kwargs = adapt(args, kwargs)
         out = func(*args, **kwargs)
+        _check_supported(func, out)
         entry = cache[key] = (_describe(out),
                               ir.intern_key(("call", key, torch.get_default_dtype())))
     return entry
+
+
+def _check_supported(func, out) -> None:
+    """Raises at the call (not at the next sync) when a result's dtype has no XLA counterpart
+    (complex32)."""
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(t, torch.Tensor):
+            try:
+                to_numpy_dtype(t.dtype)
+            except UnsupportedDtypeError as e:
+                raise UnsupportedDtypeError(f"{func} gives a {t.dtype} result: {e}") from None
 
 
 def _describe(out):
@@ -503,6 +516,7 @@ def factory(func, args, kwargs):
     entry = cache.get(key)
     if entry is None:
         out = func(*args, **kwargs, device="meta")
+        _check_supported(func, out)
         entry = cache[key] = (tuple(out.shape), tuple(out.stride()), out.dtype,
                               ir.intern_key(("factory", key, out.dtype)))
     shape, stride, dtype, node_key = entry

@@ -12,6 +12,7 @@ import torch
 from xshard.core import ir
 from xshard.core.backend import DEVICE_TYPE
 from xshard.core.cells import LazyTensor
+from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.execute import to_cpu, upload_node
 from xshard.core.padding import pad_host
 from xshard.core.record import clone, convert, expand
@@ -62,7 +63,11 @@ def to_copy(src, kwargs):
             out = out.contiguous(memory_format=kwargs["memory_format"])
         return out
     value = src._value()
-    value = convert(value, dtype) if dtype != value.dtype else clone(value)
+    if dtype != value.dtype:
+        to_numpy_dtype(dtype)  # a dtype XLA lacks (complex32) raises here, not at the next sync
+        value = convert(value, dtype)
+    else:
+        value = clone(value)
     memory_format = kwargs.get("memory_format")
     stride = None
     if memory_format in (None, torch.preserve_format) and src.is_contiguous():
