@@ -316,6 +316,24 @@ def test_uneven_dims_through_ops():
     torch.testing.assert_close((xd * xd).sum().cpu(), ((x + 1) ** 2).sum(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n", [9, 16], ids=["uneven", "even"])
+def test_max_and_min_over_a_sharded_dim_keep_nan(n):
+    """The all-reduce XLA's partitioner adds for a max or min over a sharded dim drops a NaN on
+    the CPU backend, with the rest of that device's elements: max gave 8.0 and min 2.0 for
+    [0, nan, 2, ..., 8] over 8 devices, where eager gives NaN."""
+    x = torch.arange(float(n)).reshape(1, n).repeat(2, 1)
+    x[0, 1] = float("nan")
+    xd = x.to(DEV)
+    xs.mark_sharding(xd, mesh_1d(), (None, "d"))
+    checks = [lambda t: t.amax(), lambda t: t.amin(), lambda t: t.max(), lambda t: t.min(),
+              lambda t: t.amax(1), lambda t: t.amin(1, keepdim=True), lambda t: t.max(1).values,
+              lambda t: t.min(1).values, lambda t: t.max(1).indices,
+              lambda t: torch.linalg.vector_norm(t, float("inf"), dim=1),
+              lambda t: torch.linalg.vector_norm(t, float("-inf"))]
+    for check in checks:
+        torch.testing.assert_close(check(xd).cpu(), check(x), equal_nan=True)
+
+
 # -- HLO -------------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ import torch
 
 from xshard.core import runtime
 from xshard.core.lowering.promotion import _INT, _category, promote, result_dtype
-from xshard.core.lowering.table import HALF_FLOATS, astype, rule
+from xshard.core.lowering.table import HALF_FLOATS, astype, keep_nan, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -105,7 +105,7 @@ def _p_norm_last(a, p):
     if p == 0:
         return jnp.sum((a != 0).astype(a.dtype), axis=-1)
     if p == float("inf"):
-        return jnp.max(a, axis=-1, initial=0)
+        return keep_nan(jnp.max(a, axis=-1, initial=0), a, -1)
     if p == 1:
         return jnp.sum(a, axis=-1)
     if p == 2:

@@ -7,7 +7,7 @@ import torch
 
 from xshard.core import runtime
 from xshard.core.lowering.promotion import _BOOL, _FLOAT, _INT, _category, _float_like, promote
-from xshard.core.lowering.table import HALF_FLOATS, in_float32, np_dtype, rule
+from xshard.core.lowering.table import HALF_FLOATS, in_float32, keep_nan, np_dtype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -53,36 +53,40 @@ def _mean(x, dim=None, keepdim=False, dtype=None):
 
 @rule(aten.amax)
 def _amax(x, dim=(), keepdim=False):
-    return jnp.max(x, axis=_dims(x, dim), keepdims=keepdim)
+    axis = _dims(x, dim)
+    return keep_nan(jnp.max(x, axis=axis, keepdims=keepdim), x, axis, keepdim)
 
 
 @rule(aten.amin)
 def _amin(x, dim=(), keepdim=False):
-    return jnp.min(x, axis=_dims(x, dim), keepdims=keepdim)
+    axis = _dims(x, dim)
+    return keep_nan(jnp.min(x, axis=axis, keepdims=keepdim), x, axis, keepdim)
 
 
 @rule(aten.max.default)
 def _max_all(x):
-    return jnp.max(x)
+    return keep_nan(jnp.max(x), x)
 
 
 @rule(aten.min.default)
 def _min_all(x):
-    return jnp.min(x)
+    return keep_nan(jnp.min(x), x)
 
 
 @rule(aten.max.dim)
 def _max_dim(x, dim, keepdim=False):
     if x.ndim == 0:
         return x, jnp.zeros((), np.int64)
-    return jnp.max(x, axis=dim, keepdims=keepdim), _argmax(x, dim, keepdim)
+    return keep_nan(jnp.max(x, axis=dim, keepdims=keepdim), x, dim, keepdim), \
+        _argmax(x, dim, keepdim)
 
 
 @rule(aten.min.dim)
 def _min_dim(x, dim, keepdim=False):
     if x.ndim == 0:
         return x, jnp.zeros((), np.int64)
-    return jnp.min(x, axis=dim, keepdims=keepdim), _argmin(x, dim, keepdim)
+    return keep_nan(jnp.min(x, axis=dim, keepdims=keepdim), x, dim, keepdim), \
+        _argmin(x, dim, keepdim)
 
 
 @rule(aten.maximum.default)
@@ -189,9 +193,9 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     axis = _dims(x, dim)
     a = jnp.abs(x)
     if ord == float("inf"):
-        return jnp.max(a, axis=axis, keepdims=keepdim)
+        return keep_nan(jnp.max(a, axis=axis, keepdims=keepdim), a, axis, keepdim)
     if ord == float("-inf"):
-        return jnp.min(a, axis=axis, keepdims=keepdim)
+        return keep_nan(jnp.min(a, axis=axis, keepdims=keepdim), a, axis, keepdim)
     if ord == 0:
         return jnp.sum((a != 0).astype(x.dtype), axis=axis, keepdims=keepdim)
     # float16 / bfloat16 accumulate in float32, as ATen's norms do (|x|**2 of 300 overflows float16)

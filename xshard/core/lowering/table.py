@@ -66,6 +66,17 @@ def in_float32(fn):
     return lower
 
 
+def keep_nan(out, x, axis=None, keepdims=False):
+    """``out``, a max or min of ``x`` over ``axis``, NaN where the elements reduced hold a NaN, as
+    in ATen. XLA's reduction keeps a NaN on one device, but the all-reduce the SPMD partitioner
+    adds over a sharded dim drops it on the CPU backend (plain JAX too, jaxlib 0.10.2), with the
+    rest of that device's elements: the max of [0, nan, 2, ..., 8] over 8 devices gave 8.0 and its
+    min 2.0. The NaN test is one more reduction XLA fuses with the first."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return out
+    return jnp.where(jnp.isnan(x).any(axis=axis, keepdims=keepdims), jnp.nan, out)
+
+
 def _round_back(x, half):
     return x.astype(half) if getattr(x, "dtype", None) == np.float32 else x
 
