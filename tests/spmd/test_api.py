@@ -334,6 +334,32 @@ def test_max_and_min_over_a_sharded_dim_keep_nan(n):
         torch.testing.assert_close(check(xd).cpu(), check(x), equal_nan=True)
 
 
+@pytest.mark.parametrize("case", ["2-D", "1-D"])
+def test_transposed_conv_dilating_input_and_kernel_over_a_sharded_spatial_dim(case):
+    """XLA's partitioner computed a convolution dilating both its input and its kernel wrongly
+    over a sharded spatial dim (values 100 off), or aborted the process, in plain JAX too."""
+    torch.manual_seed(0)
+    if case == "2-D":
+        x, w, spec = torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 5), ("data", None, None, "model")
+        kw = dict(stride=(3, 2), padding=(1, 2), output_padding=(2, 3), groups=2, dilation=4)
+        conv = F.conv_transpose2d
+    else:
+        x, w, spec = torch.randn(1, 2, 4), torch.randn(2, 2, 3), (None, None, "model")
+        kw, conv = dict(stride=2, dilation=4, output_padding=2), F.conv_transpose1d
+
+    def run(device):
+        xd, wd = x.to(device), w.to(device)
+        if device is DEV:
+            xs.mark_sharding(xd, mesh_2d(), spec)
+        xd.requires_grad_(), wd.requires_grad_()
+        out = conv(xd, wd, **kw)
+        out.backward(torch.ones_like(out))
+        return [out.detach().cpu(), xd.grad.cpu(), wd.grad.cpu()]
+
+    for a, b in zip(run(DEV), run("cpu")):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 # -- HLO -------------------------------------------------------------------------------------------
 
 

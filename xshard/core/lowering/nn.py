@@ -50,8 +50,16 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
         k = jnp.flip(k, axis=tuple(range(2, 2 + nd)))
         pads = [(d * (ks - 1) - p, d * (ks - 1) - p + op) for ks, p, d, op in
                 zip(w.shape[2:], padding, dilation, output_padding)]
+        lhs_dilation = tuple(stride)
+        if max(stride) > 1 and max(dilation) > 1:
+            # XLA's SPMD partitioner (jaxlib 0.10.2) gets a convolution dilating both its input
+            # and its kernel wrong over a sharded spatial dim, or fails to verify it (plain JAX
+            # too): the input is dilated by a pad instead.
+            x = lax.pad(x, jnp.zeros((), x.dtype),
+                        [(0, 0, 0)] * 2 + [(0, 0, s - 1) for s in lhs_dilation])
+            lhs_dilation = (1,) * nd
         out = lax.conv_general_dilated(
-            x, k, window_strides=(1,) * nd, padding=pads, lhs_dilation=tuple(stride),
+            x, k, window_strides=(1,) * nd, padding=pads, lhs_dilation=lhs_dilation,
             rhs_dilation=tuple(dilation), dimension_numbers=dn, feature_group_count=groups,
             precision=_mm_precision(), **wide)
     if bias is not None:
