@@ -334,18 +334,23 @@ def test_max_and_min_over_a_sharded_dim_keep_nan(n):
         torch.testing.assert_close(check(xd).cpu(), check(x), equal_nan=True)
 
 
-@pytest.mark.parametrize("case", ["2-D", "1-D"])
-def test_transposed_conv_dilating_input_and_kernel_over_a_sharded_spatial_dim(case):
+@pytest.mark.parametrize("case", ["2-D", "1-D", "padding beyond the kernel"])
+def test_transposed_conv_over_a_sharded_spatial_dim(case):
     """XLA's partitioner computed a convolution dilating both its input and its kernel wrongly
-    over a sharded spatial dim (values 100 off), or aborted the process, in plain JAX too."""
+    over a sharded spatial dim (values 100 off), or aborted the process, in plain JAX too; it
+    aborted the process on a strided transposed convolution padded beyond its kernel's reach (a
+    negative pad: kernel 1, padding 1)."""
     torch.manual_seed(0)
     if case == "2-D":
         x, w, spec = torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 5), ("data", None, None, "model")
         kw = dict(stride=(3, 2), padding=(1, 2), output_padding=(2, 3), groups=2, dilation=4)
         conv = F.conv_transpose2d
-    else:
+    elif case == "1-D":
         x, w, spec = torch.randn(1, 2, 4), torch.randn(2, 2, 3), (None, None, "model")
         kw, conv = dict(stride=2, dilation=4, output_padding=2), F.conv_transpose1d
+    else:
+        x, w, spec = torch.randn(1, 2, 4), torch.randn(2, 2, 1), (None, None, "model")
+        kw, conv = dict(stride=2, padding=1), F.conv_transpose1d
 
     def run(device):
         xd, wd = x.to(device), w.to(device)

@@ -58,10 +58,16 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
             x = lax.pad(x, jnp.zeros((), x.dtype),
                         [(0, 0, 0)] * 2 + [(0, 0, s - 1) for s in lhs_dilation])
             lhs_dilation = (1,) * nd
+        # A negative pad (``padding`` beyond the kernel's reach) crops the input, which made
+        # the partitioner abort the process over a sharded spatial dim: pad by 0 there and crop
+        # the result (the windows' stride is 1, so each output moves by the pad's difference).
+        crop = [(max(-lo, 0), max(-hi, 0)) for lo, hi in pads]
         out = lax.conv_general_dilated(
-            x, k, window_strides=(1,) * nd, padding=pads, lhs_dilation=lhs_dilation,
-            rhs_dilation=tuple(dilation), dimension_numbers=dn, feature_group_count=groups,
-            precision=_mm_precision(), **wide)
+            x, k, window_strides=(1,) * nd, padding=[(max(lo, 0), max(hi, 0)) for lo, hi in pads],
+            lhs_dilation=lhs_dilation, rhs_dilation=tuple(dilation), dimension_numbers=dn,
+            feature_group_count=groups, precision=_mm_precision(), **wide)
+        out = out[(slice(None),) * 2 + tuple(slice(a, n - b) for (a, b), n in
+                                             zip(crop, out.shape[2:]))]
     if bias is not None:
         out = out + bias.reshape((1, -1) + (1,) * nd).astype(out.dtype)
     return out.astype(x.dtype) if wide else out
