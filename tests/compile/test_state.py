@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 import xshard
 import xshard.spmd as xs
-from compile_testing import DEV, MLP, compiled_step, make_batches, train_update
+from compile_testing import (DEV, MLP, TOL, assert_models_close, compiled_step, make_batches,
+                             train_compiled, train_lazy, train_update, twins)
 from xshard.mesh import Mesh
 
 
@@ -142,6 +143,31 @@ def test_argument_sharded_inside_the_step():
         assert xs.get_sharding_spec(xd) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
         torch.testing.assert_close(loss.cpu(), model(x.to(DEV), y.to(DEV)).cpu())
     assert forward.traces == 1
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_state_on_a_sub_mesh(kind):
+    """Parameters sharded over 4 of the 8 devices; the batch and the BatchNorm buffers are
+    unannotated (replicated over all 8): each call lays them out on the parameters' devices, as a
+    lazy step does. (A replay passed them as they were, and jax refused the second call.)"""
+    mesh = Mesh([4, 5, 6, 7], (4,), ("fsdp",))
+
+    def wrap(model):
+        model = model.to(DEV)
+        for p in model.parameters():
+            if p.shape[0] % 4 == 0:
+                xs.mark_sharding(p, mesh, ("fsdp",) + (None,) * (p.dim() - 1))
+        return model
+
+    (m_lazy, o_lazy), (m_step, o_step) = twins(kind, "sgd_momentum", False, wrap)
+    data = make_batches(kind, 4)
+    want = train_lazy(m_lazy, o_lazy, data)
+    step = compiled_step(m_step, o_step)
+    torch.testing.assert_close(train_compiled(step, data), want, **TOL)
+    assert_models_close(m_lazy, m_step)
+    assert step.traces == 2  # the second call reads the momentum buffers the first one made
+    weight = next(p for p in m_step.parameters() if p.shape[0] % 4 == 0)
+    assert xs.get_sharding_spec(weight).endswith("4,5,6,7}")
 
 
 def test_host_tensors_are_moved():

@@ -494,8 +494,6 @@ KNOWN_LIMITATIONS = (
     # A write through a view whose elements alias one another (a broadcast expand, overlapping
     # unfold windows): which alias a write changed is not in the view's value.
     r"^NotImplementedError: xshard cannot write through a view made by .* overlap",
-    # out= of another shape: eager resizes it (deprecated, with a warning); xshard refuses.
-    r"^RuntimeError: xshard cannot resize an out= tensor",
 )
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import xshard
+from core_testing import assert_same
 from core_testing import check as check_eager
 from differential import (DEVICE, InvalidProgram, Ref, Step, Stats, check, fuzz, mutants,
                           run_families, settle, to_python)
@@ -243,13 +244,22 @@ def test_standard_deviation_of_huge_values_does_not_overflow():
                 rtol=1e-5, atol=0.0)
 
 
-def test_out_of_another_shape_is_refused_not_broadcast_into():
-    """PyTorch resizes out= to the result's shape; xshard cannot resize, so it says so (it used
-    to broadcast the result into the out tensor, silently)."""
-    out = torch.zeros(2, device=xshard.device())
-    with pytest.raises(RuntimeError, match=r"cannot resize an out= tensor of shape \(2,\) to "
-                                           r"\(1,\)"):
-        torch.sum(torch.zeros(1, 1, device=xshard.device()), 0, out=out)
+def test_out_of_another_shape_is_resized_not_broadcast_into():
+    """out= of another shape is resized to the result's, as eager does, with one warning when it
+    had elements (xshard used to broadcast the result into it, silently, then refused)."""
+    def run(device):
+        out, empty = torch.zeros(2, device=device), torch.zeros(0, device=device)
+        x = torch.arange(4.0).reshape(1, 4).to(device)
+        with pytest.warns(UserWarning, match=r"shape \[2\]") as caught:
+            torch.sum(x, 0, out=out)
+        torch.mul(x, 2, out=empty)  # no warning: it had no element
+        return out, empty, len(caught)
+
+    out, empty, warned = run(xshard.device())
+    assert warned == 1
+    want = run("cpu")
+    assert_same(out, want[0])
+    assert_same(empty, want[1])
 
 
 def test_addmm_with_beta_0_ignores_nan_in_the_input():

@@ -412,3 +412,97 @@ def test_data_assignment_takes_the_other_tensors_storage():
     p = torch.ones(2, device=DEV)
     with pytest.raises(TypeError, match=r"\.to\(xshard.device\(\)\)"):
         p.data = torch.zeros(2)
+
+
+# resize_ and set_ change the tensor itself: its sizes, strides, offset and which storage it
+# shares. Each case returns tensors whose values and metadata are compared with eager's.
+def resize_smaller_keeps_the_storage(d):
+    t = torch.arange(12.0, device=d)
+    v = t[2:]
+    t.resize_(2, 3)
+    t.mul_(10)  # seen by v: the same storage
+    return t, v
+
+
+def resize_then_grow_keeps_the_first_elements(d):
+    t = torch.arange(6.0, device=d)
+    t.resize_(2, 2)
+    t.resize_(2, 3)  # within the storage: its elements are the old ones
+    return (t + 1,)
+
+
+def resize_grows_an_empty_tensor(d):
+    t = torch.empty(0, device=d)
+    t.resize_(4, 5)
+    t.fill_(2.0)
+    return (t * 3,)
+
+
+def resize_with_a_memory_format(d):
+    t = torch.arange(24.0, device=d)
+    t.resize_(1, 2, 3, 4, memory_format=torch.channels_last)
+    u = torch.arange(6.0, device=d)
+    u.resize_as_(torch.ones(2, 2, device=d))
+    return t, t.contiguous(), u
+
+
+def resize_a_view_with_an_offset(d):
+    t = torch.arange(6.0, device=d)
+    v = t[2:]
+    v.resize_(2, 2)  # from its offset, to the storage's end
+    v.add_(1)
+    return v, t
+
+
+def set_to_another_tensor(d):
+    t = torch.arange(6.0, device=d)
+    o = torch.ones(3, 4, device=d)
+    t.set_(o)
+    t.add_(1)  # seen by o
+    e = torch.arange(3.0, device=d)
+    e.set_()
+    return t, o, e, e + 1
+
+
+def set_to_a_window_of_another_tensor(d):
+    t = torch.arange(6.0, device=d)
+    o = torch.arange(12.0, device=d)
+    t.set_(o, 2, (2, 3), (1, 2))
+    t.mul_(-1)  # seen by o
+    s = torch.arange(12.0, device=d)
+    s.set_(s.untyped_storage(), 1, (3, 2))
+    return t, o, s * 1
+
+
+@pytest.mark.parametrize("case", [
+    resize_smaller_keeps_the_storage, resize_then_grow_keeps_the_first_elements,
+    resize_grows_an_empty_tensor, resize_with_a_memory_format, resize_a_view_with_an_offset,
+    set_to_another_tensor, set_to_a_window_of_another_tensor], ids=lambda f: f.__name__)
+def test_resize_and_set_as_eager(case):
+    """resize_ and set_ used to run on CPU and leave the tensor's recorded shape behind: the next
+    op failed with an internal LoweringError."""
+    with counting() as delta:
+        dev = case(DEV)
+    want = case(torch.device("cpu"))
+    assert delta["cpu_fallbacks"] == {}
+    for got, expected in zip(dev, want, strict=True):
+        assert (got.shape, got.stride(), got.storage_offset()) == \
+            (expected.shape, expected.stride(), expected.storage_offset())
+        assert_same(got, expected)
+
+
+def test_resize_beyond_a_shared_storage_is_refused():
+    """Growing a storage that other tensors share would leave them on the old one: refused."""
+    t = torch.arange(6.0, device=DEV)
+    view = t[1:]
+    with pytest.raises(RuntimeError, match=r"resize_ to \[4, 4\] needs 16 elements of storage "
+                                           r"and this tensor's holds 6.*t.clone\(\) first"):
+        t.resize_(4, 4)
+    assert_same(view, torch.arange(1.0, 6.0))
+    with pytest.raises(RuntimeError, match=r"resize_ to \[8\] needs 9 elements"):
+        view.resize_(8)  # its base shares the storage
+    t.resize_(2, 3)  # within the storage: shared as in eager
+    assert_same(t, torch.arange(6.0).reshape(2, 3))
+    with pytest.raises(TypeError, match=r"set_ of an xshard tensor to a UntypedStorage"):
+        t.set_(torch.zeros(3).untyped_storage())
+

@@ -43,6 +43,10 @@ SPECIAL_OPS = {
     aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
     aten.transpose_.default, aten.t_.default, aten.swapdims_.default, aten.swapaxes_.default,
     aten.as_strided_.default,
+    # in-place ops that change the tensor's sizes or storage
+    aten.resize_.default, aten.resize_as_.default, aten.set_.default, aten.set_.source_Tensor,
+    aten.set_.source_Tensor_storage_offset, aten.set_.source_Storage,
+    aten.set_.source_Storage_storage_offset,
 }
 
 # Results that keep their input's sharding annotation, as the input's copies or same-shaped peers

@@ -211,17 +211,25 @@ def colocate(inputs, values: list, moves) -> list:
     compile-only) with the ``moves`` of the graph's plan applied; each input's new layout is kept
     with its data node, so the next step reading it reuses it."""
     for i, new in moves:
-        node, value = inputs[i], values[i]
+        value = values[i]
         if isinstance(value, jax.ShapeDtypeStruct):
             values[i] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=new)
-            continue
-        placed = node.placed
-        if placed is not None and placed[0] is new:
-            values[i] = placed[1]
-            continue
-        values[i] = onto(value, new)
-        node.placed = (new, values[i])
+        else:
+            values[i] = placed(inputs[i], value, new)
     return values
+
+
+def placed(node, value, new):
+    """Data node ``node``'s array ``value`` laid out by ``new``, kept with the node (made once
+    per node and layout)."""
+    kept = node.placed
+    if kept is not None and kept[0] is new:
+        return kept[1]
+    if value.sharding == new:  # already there (a compiled step's own result, read back)
+        return value
+    array = onto(value, new)
+    node.placed = (new, array)
+    return array
 
 
 def onto(array, new):

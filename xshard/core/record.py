@@ -13,7 +13,10 @@ their targets (see [Note: cells and views] in xshard.core.cells); the dispatcher
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.utils._pytree import tree_map
 
 from xshard.core import ir, rng
@@ -246,7 +249,12 @@ def mutate(func, f, args, kwargs):
     # Let PyTorch's meta kernel validate the call (broadcast into self, dtype cast rules, overlap).
     _, rec = freeze_call(f, args, kwargs, nodes=False)
     try:
-        meta(func, args, kwargs, tuple(rec.key))
+        if f.out_names:  # an out= of another shape is resized below, with its one warning
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "An output with one or more elements")
+                meta(func, args, kwargs, tuple(rec.key))
+        else:
+            meta(func, args, kwargs, tuple(rec.key))
     except NotImplementedError:
         pass
     if f.out_names:
@@ -262,11 +270,7 @@ def mutate(func, f, args, kwargs):
         outs = [bound[name] for name in f.out_names]
         for dst, src in zip(outs, results):
             if isinstance(src, torch.Tensor) and tuple(src.shape) != tuple(dst.shape):
-                # PyTorch resizes out= to the result (never broadcasts into it); xshard cannot.
-                raise RuntimeError(
-                    f"xshard cannot resize an out= tensor of shape {tuple(dst.shape)} to "
-                    f"{tuple(src.shape)}; pass an out tensor of the result's shape, or use the "
-                    f"functional form.")
+                _resize_out(dst, src)
             write(dst, _value_of(src))
         return outs[0] if len(outs) == 1 else tuple(outs)
     if f.inplace:
@@ -283,6 +287,18 @@ def mutate(func, f, args, kwargs):
         write(bound[name], _value_of(new))
     own = result[: len(result) - n_written]
     return own[0] if len(own) == 1 else tuple(own)
+
+
+def _resize_out(out, result) -> None:
+    """An out= tensor of another shape is resized to the result's, never broadcast into, as
+    ATen's ``resize_output`` does (with its warning when ``out`` had elements)."""
+    if out.numel():
+        warnings.warn(
+            f"An out= tensor of shape {list(out.shape)} was resized to the result's shape "
+            f"{list(result.shape)}, as PyTorch does (deprecated there for outputs with elements). "
+            f"Pass an out tensor of the result's shape, or one of zero elements (t.resize_(0)).",
+            UserWarning, stacklevel=4)
+    out.resize_(result.shape, memory_format=suggest_memory_format(result))
 
 
 def _aliased_list(args, kwargs) -> bool:

@@ -14,10 +14,12 @@ The path of one call (its route comes from the op's facts, xshard.core.ops):
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import warnings
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.utils._pytree import tree_map
 
 from xshard.core import ir, ops, record, trace, transfer
@@ -85,6 +87,17 @@ class XTensor(LazyTensor):
         if self.requires_grad and "requires_grad" not in text:
             text = text[:-1] + ", requires_grad=True)"
         return text
+
+    def set_(self, *args, **kwargs):
+        # PyTorch passes set_(other, offset, size, stride) on as other's storage object, whose
+        # data xshard cannot find: the same call made with a view of other (see _set_).
+        bound = dict(zip(("source", "storage_offset", "size", "stride"), args), **kwargs)
+        source, offset = bound.get("source"), bound.get("storage_offset")
+        if isinstance(source, XTensor) and offset is not None:
+            size = bound["size"]
+            return super().set_(source.as_strided(size, bound.get("stride") or
+                                                  contiguous_strides(size), offset))
+        return super().set_(*args, **kwargs)
 
     def tolist(self):
         # PyTorch's C tolist() refuses tensor subclasses; read the value and convert on the host.
@@ -349,15 +362,112 @@ def _restride_(func, args, kwargs):
     The tensor becomes the view its functional twin makes (same cell, one more view step), and its
     sizes and strides are set to the view's, as the CPU kernel does.
     """
-    self = args[0]
     twin = ops.facts(func).functional
     view = getattr(twin, func._overloadname, None) or twin
-    out = view(*args, **kwargs)
-    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
-        aten.as_strided_.default(self, out.shape, out.stride(), out.storage_offset())
+    return _become(args[0], view(*args, **kwargs))
+
+
+def _become(self, out):
+    """``self`` made the tensor ``out`` is (its cell, view chain, sizes, strides and offset), in
+    place: the Python object stays, as in-place ops keep it."""
+    shape, stride, offset = out.shape, out.stride(), out.storage_offset()
+    if _span(shape, stride, offset) * out.element_size() <= self.untyped_storage().nbytes():
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEY):
+            aten.as_strided_.default(self, shape, stride, offset)
+    else:
+        # More elements than the (data-less) storage of the wrapper was made for, which PyTorch
+        # checks sizes against: it takes ``out``'s storage and metadata, as ``t.data = out``.
+        _TENSOR_DATA.__set__(self, out)
     self._cell, self._chain, self._cache_version = out._cell, out._chain, -1
     self._meta = (tuple(self.shape), tuple(self.stride()), self.dtype)
     return self
+
+
+_PYTHON_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+
+
+def _span(shape, stride, offset) -> int:
+    """How many elements of storage a tensor of these sizes, strides and offset reaches."""
+    if math.prod(shape) == 0:
+        return 0
+    return 1 + offset + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+class _Holder:
+    __slots__ = ("cell",)
+
+
+_ALONE = _Holder()  # an object one attribute refers to: the count of a cell only self holds
+_ALONE.cell = object()
+
+
+def _references(obj) -> int:
+    return sys.getrefcount(obj)
+
+
+def _resize_(func, args, kwargs):
+    """``resize_``: the tensor becomes a contiguous (or ``memory_format``) view of its storage
+    from its storage offset; a storage too small for it grows, its first elements kept and the
+    rest zeros (eager leaves them uninitialized)."""
+    self, size = args[0], tuple(args[1])
+    memory_format = args[2] if len(args) > 2 else kwargs.get("memory_format")
+    if tuple(self.shape) == size and memory_format is None:
+        return self
+    stride = torch.empty(size, device="meta", memory_format=memory_format or
+                         torch.contiguous_format).stride()
+    offset = self.storage_offset()
+    span = _span(size, stride, offset)
+    held = math.prod(self._cell.value.shape)
+    if span <= held:
+        return _become(self, aten.as_strided.default(self, size, stride, offset))
+    if _references(self._cell) > _references(_ALONE.cell):  # tensors besides ``self`` hold it
+        raise RuntimeError(
+            f"resize_ to {list(size)} needs {span} elements of storage and this tensor's holds "
+            f"{held}, which other tensors (views of it, or tensors it views) share: xshard "
+            f"cannot grow storage in place for them all. Resize a tensor that shares no storage "
+            f"(t = t.clone() first), or make a new one (t.new_empty({list(size)})).")
+    whole = aten.as_strided.default(self, (held,), (1,), 0)  # the storage, in memory order
+    grown = torch.cat([whole, whole.new_zeros(span - held)])
+    return _become(self, aten.as_strided.default(grown, size, stride, offset))
+
+
+def _resize_as_(func, args, kwargs):
+    self, template = args[0], args[1]
+    memory_format = args[2] if len(args) > 2 else kwargs.get("memory_format")
+    if memory_format is torch.preserve_format:
+        memory_format = suggest_memory_format(template)
+    return _resize_(func, (self, template.shape, memory_format), {})
+
+
+def _set_(func, args, kwargs):
+    """``set_``: the tensor shares the storage of another xshard tensor (with the other's sizes
+    and strides, or those given), or a new empty one."""
+    self = args[0]
+    if func is aten.set_.default:
+        return _become(self, self.new_empty((0,)))
+    source = args[1]
+    if isinstance(source, torch.UntypedStorage) and \
+            source._cdata == self.untyped_storage()._cdata:
+        # Its own storage: ``t.set_(t.untyped_storage())`` makes t all of it, 1-D.
+        if func is aten.set_.source_Storage:
+            return _become(self, aten.as_strided.default(
+                self, (math.prod(self._cell.value.shape),), (1,), 0))
+        source = self
+    if not isinstance(source, XTensor):
+        # ``t.set_(other, offset, size, stride)`` reaches here with other's storage object too.
+        raise TypeError(
+            f"set_ of an xshard tensor to a {type(source).__name__}: xshard cannot tell whose "
+            f"data a storage object holds (set_(other, offset, size, stride) passes other's). "
+            f"Pass an xshard tensor: t.set_(other), or "
+            f"t.set_(other.as_strided(size, stride, offset)).")
+    if source.dtype != self.dtype:
+        raise RuntimeError(f"set_: expected a source of dtype {self.dtype}, got {source.dtype} "
+                           f"(convert it first: source.to({self.dtype}))")
+    if func is aten.set_.source_Tensor:
+        return self if source is self else _become(self, _alias(None, (source,), {}))
+    offset, size = args[2], tuple(args[3])
+    stride = tuple(args[4]) if len(args) > 4 and args[4] else contiguous_strides(size)
+    return _become(self, aten.as_strided.default(source, size, stride, offset))
 
 
 def factory(func, args, kwargs):
@@ -383,4 +493,8 @@ _SPECIAL = {id(op): handler for op, handler in {
     aten.transpose_.default: _restride_, aten.t_.default: _restride_,
     aten.swapdims_.default: _restride_, aten.swapaxes_.default: _restride_,
     aten.as_strided_.default: _restride_,
+    aten.resize_.default: _resize_, aten.resize_as_.default: _resize_as_,
+    aten.set_.default: _set_, aten.set_.source_Tensor: _set_,
+    aten.set_.source_Tensor_storage_offset: _set_,
+    aten.set_.source_Storage: _set_, aten.set_.source_Storage_storage_offset: _set_,
 }.items()}  # aten overloads live as long as torch: their ids stay their own

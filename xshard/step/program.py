@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from xshard.core import api, arrays, compiler, divergence, ir, rng, runtime, trace
+from xshard.core import api, arrays, compiler, divergence, ir, placement, rng, runtime, trace
 from xshard.step import host
 from xshard.step import optim as optim_support
 from xshard.step import packing
@@ -241,6 +241,9 @@ class Program:
         self.seed = self.seed_array = None
         self.base_refs: dict = {}  # slot -> refs() of the node stored last
         self.placement: list[int] = []  # outputs whose arrays must be placed (see api.placed)
+        # (input position, slot, whether an argument slot, sharding) of each input the
+        # executable's placement plan moves (see xshard.core.placement): data on other devices.
+        self.moves: list = []
         # The rest of the guard.
         self.grad_enabled = True
         self.default_dtype = torch.float32
@@ -512,6 +515,9 @@ class Program:
             seed, counter = rng.advance(self.draws)
             if self.random_inputs:
                 self._feed_stream(values, seed, counter)
+        for position, i, arg, new in self.moves:
+            node = value(api.storage(slots[i].get()) if arg else source[i])
+            values[position] = placement.placed(node, values[position], new)
         for position in fresh or ():
             values[position] = _copy(values[position])
         results = self.execute(values, self.graph, self._scalars)
@@ -562,6 +568,8 @@ class Program:
         self.write_plan = [e for e in self.write_plan if e[0] not in packed_out]
         self.donated = [(p, i) for p, i in self.donated if p not in packed_in]
         self.state_inputs = [(p, i) for p, i in self.state_inputs if p not in packed_in]
+        # A member is the program's own result, already on its devices: nothing to move.
+        self.moves = [m for m in self.moves if m[0] not in packed_in]
 
     def _packs(self) -> list:
         """This call's packed arrays: those the last call stored, when their members are still

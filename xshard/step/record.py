@@ -543,6 +543,8 @@ class Recording:
         # consumes that this step must keep is passed as a copy (as a lazy sync does).
         program.donated = [(p, program.inputs[p][1]) for p in exe.donate if p in mine]
         program.copied = [p for p in exe.donate if p not in mine]
+        program.moves = [(p, program.inputs[p][1], program.inputs[p][0] == "arg", new)
+                         for p, new in exe.moves if program.inputs[p][0] in ("arg", "state")]
         if len(program.donated) >= packing.MIN_PACKED:  # see [Note: packed state]
             program.plain = (compiler.Program(graph), compiler.compiler_options(graph))
         program.prepare()
