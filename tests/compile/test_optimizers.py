@@ -116,12 +116,31 @@ def _fill(value):
     return lambda opt: opt.param_groups[0]["lr"].fill_(value)
 
 
+def _loaded(value):
+    """The rate set by loading a state dict (resuming): the optimizer gets new group dicts."""
+    def load(opt):
+        state = opt.state_dict()
+        state["param_groups"][0]["lr"] = value
+        opt.load_state_dict(state)
+
+    return load
+
+
+def _new_groups(value):
+    def replace(opt):
+        opt.param_groups = [dict(opt.param_groups[0], lr=value)]
+
+    return replace
+
+
 @pytest.mark.parametrize("lrs", [
     lambda: [np.float64(0.1), np.float64(0.1), np.float64(0.5)],  # was built in, silently
     lambda: [np.float32(0.1), np.float32(0.3), np.float32(0.5)],
     lambda: [0.1, 1, np.int64(2)],
     lambda: [torch.tensor(0.1), torch.tensor(0.3), _fill(0.5)],
-], ids=["float64", "float32", "int", "cpu_tensor"])
+    # were ignored: the replay read the rate from the groups the step was recorded with
+    lambda: [0.1, _loaded(0.3), _new_groups(0.5)],
+], ids=["float64", "float32", "int", "cpu_tensor", "new_groups"])
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for_loop"])
 def test_learning_rates_of_every_kind_are_read_each_call(lrs, foreach):
     eager, _ = _sgd_run("cpu", lrs(), False, foreach=foreach)

@@ -154,15 +154,17 @@ def difference(name: str, old, new) -> str:
 class Rate:
     """A group's learning rate as the program's input: placed on the devices once per value."""
 
-    __slots__ = ("groups", "group", "dtype", "sharding", "value", "version", "placed")
+    __slots__ = ("optimizer", "group", "dtype", "sharding", "value", "version", "placed")
 
     def __init__(self, optimizer, group, dtype, sharding):
-        self.groups, self.group = optimizer.param_groups, group
+        # The groups are read through the optimizer on each call: load_state_dict (and a user)
+        # may give it a new list of them.
+        self.optimizer, self.group = optimizer, group
         self.dtype, self.sharding = dtype, sharding
         self.value = self.version = self.placed = None
 
     def array(self):
-        lr = self.groups[self.group]["lr"]
+        lr = self.optimizer.param_groups[self.group]["lr"]
         # A tensor rate may be changed in place (``lr.fill_(0.05)``): its version says so.
         if lr is not self.value or (self.version is not None and lr._version != self.version):
             self.placed = arrays.put(np.asarray(optim_support.host_rate(lr), self.dtype),
@@ -172,7 +174,7 @@ class Rate:
         return self.placed
 
     def host(self) -> float:
-        return optim_support.host_rate(self.groups[self.group]["lr"])
+        return optim_support.host_rate(self.optimizer.param_groups[self.group]["lr"])
 
 
 def _copy(array):
