@@ -1,6 +1,8 @@
 """What xshard.compile refuses, with a message naming the op or the user's line; the state is left
 as it was, and the same function still runs on the lazy path."""
 
+import types
+
 import pytest
 import torch
 
@@ -188,15 +190,41 @@ def test_fsdp_no_sync_gradients_refused():
 
 def test_constant_device_tensor_warns(trained):
     model, opt, x, y = trained
-    holder = {"offset": torch.ones(4, device=DEV)}  # not a buffer, not an argument
+    # Not a buffer, not an argument, not in a dict or list the step names: a helper's attribute.
+    holder = types.SimpleNamespace(offset=torch.ones(4, device=DEV))
 
     @xshard.compile
     def forward(x):
-        return model.fc2(torch.tanh(model.fc1(x))) + holder["offset"]
+        return model.fc2(torch.tanh(model.fc1(x))) + holder.offset
 
     with pytest.warns(UserWarning, match=r"reads 1 device tensor\(s\) that are not arguments.*"
                                          r"shapes \[4\]"):
         forward(x)
+
+
+@pytest.mark.parametrize("draw", ["randn", "randperm"])
+def test_random_draws_on_the_cpu_are_refused(trained, draw):
+    """CPU draws inside the step would be constants of the program (each replay returned the
+    first call's numbers); refused, the CPU generator put back, and device draws work."""
+    model, opt, x, y = trained
+
+    def noisy(x):
+        if draw == "randn":
+            return model.fc1(x + torch.randn(x.shape).to(DEV))
+        return model.fc1(x[torch.randperm(x.shape[0])])
+
+    torch.manual_seed(3)
+    with pytest.raises(StateError, match=r"draws random numbers on the CPU.*device=xshard"):
+        xshard.compile(noisy)(x)
+    after = torch.rand(2)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(2))  # the generator as before the call
+
+    def device_noise(x):
+        return x + torch.randn(x.shape, device=DEV)
+
+    step = xshard.compile(device_noise)
+    assert not torch.equal(step(x).cpu(), step(x).cpu())
 
 
 def test_number_used_as_a_number(trained):

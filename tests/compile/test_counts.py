@@ -284,3 +284,71 @@ def test_attribute_a_forward_adds_on_its_first_run_records_once():
     del model.scale  # the setting removed: recorded again, and set anew by the forward
     step(torch.ones(3, 4).to(DEV))
     assert step.traces == 2 and "Cached.scale: 2.0 -> (deleted)" in step.retrace_reasons[0]
+
+
+class _Counting(nn.Module):
+    """A forward that changes a Python attribute each call (a counter) or sets it once."""
+
+    def __init__(self, change):
+        super().__init__()
+        self.lin, self.change, self.steps, self.mode = nn.Linear(4, 2), change, 0, "warmup"
+
+    def forward(self, x):
+        if self.change == "counter":
+            self.steps += 1
+        else:
+            self.mode = "steady"
+        scale = self.steps + 1 if self.mode == "warmup" else 3.0
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("change", ["counter", "set once"])
+def test_python_settings_the_step_changes(change):
+    """A setting the step itself changes is compared as it was when the step began, and a replay
+    leaves it as the step did: a counter records the step on every call (its Python runs; the
+    replay kept the counter at 1, silently), a value set once records twice then replays."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = _Counting(change).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = squared_output_step(model, opt)
+        step = xshard.compile(step) if compiled else step
+        losses = [step(torch.ones(3, 4, device=device)).item() for _ in range(4)]
+        return losses, (model.steps, model.mode), step
+
+    dev, cpu = run(DEV, True), run("cpu", False)
+    torch.testing.assert_close(dev[0], cpu[0])
+    assert dev[1] == cpu[1]
+    assert dev[2].traces == (4 if change == "counter" else 2), dev[2].retrace_reasons
+
+
+def test_an_optimizers_own_python_attribute_is_guarded():
+    """An attribute an optimizer's step() reads (``self.scale``), changed between calls, records
+    the step again (it was built in, unseen)."""
+    class Scaled(torch.optim.SGD):
+        scale = 1.0
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(self.scale)
+            return super().step(closure)
+
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).to(device)
+        opt = Scaled(model.parameters(), lr=0.1)
+        opt.scale = 1.0
+        step = squared_output_step(model, opt)
+        step = xshard.compile(step) if compiled else step
+        losses = []
+        for i in range(4):
+            if i == 2:
+                opt.scale = 0.0
+            losses.append(step(torch.ones(3, 4, device=device)).item())
+        return losses, step
+
+    dev = run(DEV, True)
+    torch.testing.assert_close(dev[0], run("cpu", False)[0])
+    assert dev[1].traces == 2 and "Scaled.scale: 1.0 -> 0.0" in dev[1].retrace_reasons[0]
+

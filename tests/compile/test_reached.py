@@ -180,9 +180,9 @@ def test_trainer_tensor_attributes_are_state():
 @pytest.mark.parametrize("where", ["host tensor lr", "device tensor lr", "tensor in a list",
                                    "tensor in a list replaced"])
 def test_tensors_outside_the_state_changed_in_place(where):
-    """A learning rate given as a tensor and changed in place (the replay kept the old rate), and
-    a device tensor the step reads from a list (built in as a constant: a change to it, or its
-    replacement, which frees it, records the step again; before, the replay kept its old value)."""
+    """A learning rate given as a tensor and changed in place (the replay kept the old rate):
+    a device-tensor rate is built in as a constant, and a change to it records the step again. A
+    device tensor the step reads from a list is state, read on every call."""
     def run(device, compiled):
         torch.manual_seed(0)
         model = MLP().to(device)
@@ -214,11 +214,81 @@ def test_tensors_outside_the_state_changed_in_place(where):
         warnings.simplefilter("ignore")  # the built-in tensor's warning
         cpu, dev = run("cpu", False), run(DEV, True)
     assert_same_run(cpu, dev)
-    if where == "host tensor lr":
-        assert dev[2].traces == 1  # read on every call
-    else:
+    if where == "device tensor lr":
         assert dev[2].traces == 2 and "reads as a constant" in dev[2].retrace_reasons[0]
-        assert ("freed" if "replaced" in where else "written") in dev[2].retrace_reasons[0]
+        assert "written" in dev[2].retrace_reasons[0]
+    else:
+        assert dev[2].traces == 1, dev[2].retrace_reasons  # read on every call
+
+
+def _functional_params(container):
+    """Tensors a step reads and updates from a dict, list or tuple, not a module."""
+    if container == "dict":
+        return {"w": torch.zeros(3, device=DEV)}
+    if container == "list":
+        return [torch.zeros(3, device=DEV)]
+    return (torch.zeros(3, device=DEV),)
+
+
+GLOBAL_PARAMS = None
+
+
+@pytest.mark.parametrize("where", ["global", "closure"])
+@pytest.mark.parametrize("container", ["dict", "list", "tuple"])
+def test_tensors_in_a_container_updated_by_the_step(where, container):
+    """Device tensors in a dict, list or tuple the step's closure or globals name are state: the
+    step's in-place updates and replaced entries are kept, as in eager (the replay used to read
+    them as constants and return the first call's values)."""
+    global GLOBAL_PARAMS
+    params = GLOBAL_PARAMS = _functional_params(container)
+    key = "w" if container == "dict" else 0
+
+    def closure_step(x):
+        out = (params[key] * x).sum()
+        params[key].add_(x)
+        return out
+
+    def global_step(x):
+        out = (GLOBAL_PARAMS[key] * x).sum()
+        GLOBAL_PARAMS[key].add_(x)
+        return out
+
+    step = xshard.compile(closure_step if where == "closure" else global_step)
+    outs = [step(torch.ones(3, device=DEV)).item() for _ in range(4)]
+    assert outs == [0.0, 3.0, 6.0, 9.0]
+    assert params[key].tolist() == [4.0, 4.0, 4.0]
+    assert step.traces == 1, step.retrace_reasons
+    if container != "tuple":  # an entry replaced between calls is read
+        params[key] = torch.full((3,), 10.0, device=DEV)
+        assert step(torch.ones(3, device=DEV)).item() == 30.0
+        assert params[key].tolist() == [11.0, 11.0, 11.0]
+
+
+@pytest.mark.parametrize("view", ["flat", "row", "transposed"])
+def test_closure_view_of_a_parameter_follows_the_updates(view):
+    """A view of a parameter with another shape, read by the step after the update: each call
+    reads the updated weight through it, and it stays a view (the replay stored it as a new
+    tensor holding the first call's value)."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 3, bias=False).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        w = model.weight.detach()
+        seen = {"flat": w.view(-1), "row": w[0], "transposed": w.t()}[view]
+
+        def train_step(x):
+            train_update(lambda v: model(v).sum(), opt, x)
+            return seen.sum() * 1.0
+
+        step = xshard.compile(train_step) if compiled else train_step
+        outs = [step(torch.ones(1, 2, device=device)).item() for _ in range(3)]
+        return outs, seen.detach().cpu(), model.weight.detach().cpu(), step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0])
+    torch.testing.assert_close(dev[1], cpu[1])
+    torch.testing.assert_close(dev[2], cpu[2])
+    assert dev[3].traces == 1, dev[3].retrace_reasons
 
 
 @pytest.mark.parametrize("wrap", ["plain", "FSDP"])

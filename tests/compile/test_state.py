@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import xshard
 import xshard.spmd as xs
+from xshard.step.errors import StateError
 from compile_testing import (DEV, MLP, TOL, assert_models_close, compiled_step, make_batches,
                              train_compiled, train_lazy, train_update, twins)
 from xshard.mesh import Mesh
@@ -229,3 +230,99 @@ def test_checkpointed_fsdp_units_with_dropout():
         losses.append([float(run_step(x.to(DEV), y.to(DEV)).item()) for x, y in data])
     assert losses[0] == losses[1]
     assert step.traces == 2
+
+
+def _write_a_read_b(a, b):
+    a.add_(1.0)
+    return b.sum()
+
+
+def test_arguments_sharing_a_storage_are_part_of_the_key():
+    """One tensor passed twice: the write through one argument is seen through the other, as in
+    eager; a program recorded for distinct tensors is not replayed for one passed twice (it was,
+    and returned 0 where eager gives 4), nor the reverse."""
+    step = xshard.compile(_write_a_read_b)
+    for aliased, want in [(False, 0.0), (True, 4.0), (False, 0.0), (True, 4.0)]:
+        x = torch.zeros(4, device=DEV)
+        assert step(x, x if aliased else x.clone()).item() == want
+        assert x.tolist() == [1.0] * 4
+    assert step.traces == 2, step.retrace_reasons
+    assert "arguments sharing a storage" in step.retrace_reasons[0]
+
+
+def test_argument_sharing_a_parameters_storage_is_guarded():
+    """An argument that is a parameter's storage (``m.weight.detach()``) in some calls and a
+    separate tensor in others: each call's program is the one recorded for its pattern."""
+    def run(device, compiled):
+        model = torch.nn.Linear(2, 2, bias=False).to(device)
+        with torch.no_grad():
+            model.weight.zero_()
+
+        def write_argument_read_weight(a):
+            a.add_(1.0)
+            return model.weight.sum() * 1.0
+
+        step = xshard.compile(write_argument_read_weight) if compiled else \
+            write_argument_read_weight
+        outs = [step(model.weight.detach() if alias else torch.zeros(2, 2, device=device)).item()
+                for alias in [False, True, False, True]]
+        return outs, step
+
+    dev, step = run(DEV, True)
+    assert dev == run("cpu", False)[0] == [0.0, 4.0, 4.0, 8.0]
+    assert step.traces == 2, step.retrace_reasons
+    assert "shares its storage with nothing -> model.weight" in step.retrace_reasons[0]
+
+
+def test_written_view_argument_is_refused_and_read_views_work():
+    """A view argument is taken as a copy: a step writing it (or the tensor it views) is refused
+    with the fix, the state left as it was (the write used to be lost, silently); a view the step
+    only reads works."""
+    step = xshard.compile(_write_a_read_b)
+    x = torch.arange(8.0, device=DEV)
+    with pytest.raises(StateError, match=r"argument 1 is a view of another tensor.*v.copy_\(y\)"):
+        step(x, x[1:3])
+    with pytest.raises(StateError, match=r"argument 0 is a view"):
+        step(x[1:3], torch.ones(2, device=DEV))
+    assert x.tolist() == list(range(8))
+    assert _write_a_read_b(x[1:3], x[1:3]).item() == 5.0  # the lazy path still runs it
+    y = torch.ones(4, device=DEV)
+    read_only = xshard.compile(lambda a, b: a.add_(b.sum()))
+    read_only(y, x[2:4])
+    read_only(y, x[4:6])
+    assert y.tolist() == [16.0] * 4  # 1 + (3 + 3) + (4 + 5): x[1:3] was written above
+
+
+@pytest.mark.parametrize("when", ["before the first call", "between calls"])
+def test_parameters_viewing_one_flat_vector_are_refused(when):
+    """Parameters made views of one vector (vector_to_parameters) and updated by the step: a
+    clear error, the state left as it was, and the lazy path runs on (the replay replaced each
+    parameter with a plain tensor, or left donated arrays that broke every later sync)."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                    torch.nn.Linear(8, 2)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def train_step(x):
+            return train_update(lambda v: model(v).pow(2).mean(), opt, x)
+
+        step = xshard.compile(train_step) if compiled else train_step
+        x, losses = torch.ones(3, 4, device=device), []
+        for i in range(4):
+            if i == (0 if when == "before the first call" else 2):
+                vector_to_parameters(parameters_to_vector(model.parameters()) * 0.9,
+                                     model.parameters())
+            try:
+                losses.append(step(x).item())
+            except StateError as e:
+                assert "is a view of a storage no other state holds" in str(e)
+                losses.append(train_step(x).item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    dev = run(DEV, True)
+    assert all(isinstance(p, torch.Tensor) for p in dev[1])
+    torch.testing.assert_close(dev, run("cpu", False), rtol=1e-5, atol=1e-6)
+

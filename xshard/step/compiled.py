@@ -30,18 +30,30 @@ _TENSOR, _NUMBER, _STATIC, _ROOT = "tensor", "number", "static", "root"
 _MANY_RECORDINGS = 8  # recordings of one step after which a warning says what keeps changing
 
 
+def _aliases(tensors) -> tuple:
+    """Which tensors share a storage (one tensor passed twice, ``x`` and ``x.detach()``): per
+    tensor, the position of the first with its storage; () when none does. A write through one
+    is seen through the other, so a program recorded for one pattern is wrong for another."""
+    cells = list(map(api.storage, tensors))
+    if len(set(map(id, cells))) == len(cells):
+        return ()
+    first = {}
+    return tuple(first.setdefault(id(c), k) for k, c in enumerate(cells))
+
+
 class Arguments:
     """One call's arguments, flattened and classified, with the key programs are filed under."""
 
-    __slots__ = ("leaves", "treedef", "kinds", "key", "_names")
+    __slots__ = ("leaves", "treedef", "kinds", "key", "views", "_names")
 
     def __init__(self, compiled: "CompiledStep", args, kwargs):
+        self.views = {}  # leaf index -> the view passed there (the step gets a copy)
         if not kwargs and not compiled.static_argnums and all(
                 api.is_device_tensor(a) and not api.is_view(a) and api.settled(a) for a in args):
             # The common call, step(x, y): device tensors only.
             self.leaves, self.kinds = list(args), [_TENSOR] * len(args)
             self.treedef = _flat_treedef(len(args))
-            self.key = (self.treedef, (), (), tuple(spec_of(a) for a in args))
+            self.key = (self.treedef, (), (), tuple(spec_of(a) for a in args), _aliases(args))
             self._names = None
             return
         static, static_names = compiled.static_argnums, compiled.static_argnames
@@ -57,6 +69,7 @@ class Arguments:
         for i, leaf in enumerate(leaves):
             if api.is_device_tensor(leaf):
                 if api.is_view(leaf):  # passed by value: the view's data, in its own storage
+                    self.views[i] = leaf
                     leaf = leaves[i] = api.new_tensor(api.value(leaf),
                                                       requires_grad=leaf.requires_grad)
                 if not api.settled(leaf):
@@ -77,9 +90,10 @@ class Arguments:
                 parts.append((_STATIC, Exact(leaf)))
         if pending:
             api.sync()
-        tensors = tuple(spec_of(leaves[i]) for i, k in enumerate(kinds) if k is _TENSOR)
+        tensors = [leaves[i] for i, k in enumerate(kinds) if k is _TENSOR]
         self.leaves, self.kinds = leaves, kinds
-        self.key = (self.treedef, statics, tuple(parts), tensors)
+        self.key = (self.treedef, statics, tuple(parts), tuple(map(spec_of, tensors)),
+                    _aliases(tensors))
         self._names = None
 
     def roots(self) -> list:
@@ -186,8 +200,8 @@ class CompiledStep:
         return self._record(call, args, kwargs, reason)
 
     def _key_difference(self, call: Arguments) -> str:
-        old_def, old_static, old_parts, old_tensors = self._last_key
-        new_def, new_static, new_parts, new_tensors = call.key
+        old_def, old_static, old_parts, old_tensors, old_aliases = self._last_key
+        new_def, new_static, new_parts, new_tensors, new_aliases = call.key
         if old_def != new_def:
             return f"argument structure: {old_def} -> {new_def}"
         if old_static != new_static:
@@ -198,6 +212,9 @@ class CompiledStep:
         for i, a, b in zip(positions, old_tensors, new_tensors):
             if a != b:
                 return difference(call.name(i), a, b)
+        if old_aliases != new_aliases:
+            return (f"arguments sharing a storage (per tensor argument, the first with its "
+                    f"storage): {old_aliases or 'none'} -> {new_aliases or 'none'}")
         return "arguments"
 
     def _record(self, call: Arguments, args, kwargs, reason):

@@ -246,6 +246,10 @@ class Program:
         # (input position, slot, whether an argument slot, sharding) of each input the
         # executable's placement plan moves (see xshard.core.placement): data on other devices.
         self.moves: list = []
+        # Per argument slot, the state slot whose storage the argument was (``m.weight.detach()``
+        # passed in), else None; and id(storage) -> state slot, made again after adopt().
+        self.arg_state: tuple = ()
+        self.cell_slots = None
         # The rest of the guard.
         self.grad_enabled = True
         self.default_dtype = torch.float32
@@ -253,6 +257,7 @@ class Program:
         self.flag_modules: list = []
         self.flag_values: list = []
         self.flags_after: list = []  # (module, training) the step sets
+        self.settings_after: list = []  # (dict, key, value): Python settings the step sets
         self.groups: list = []  # (optimizer, hyper-parameters per group)
         # Each module's Python settings: (its __dict__, name), their values, types and names.
         self.settings: list = []
@@ -304,6 +309,7 @@ class Program:
     def adopt(self, i: int, obj) -> None:
         """``obj`` is now in slot ``i`` (as the program left it, or compared equal in form)."""
         self.expect[i] = obj
+        self.cell_slots = None
         tensor = api.is_device_tensor(obj)
         self.source[i] = api.storage(obj) if tensor else None
         self.storage[i] = self.source[i] if tensor and not api.is_view(obj) else None
@@ -394,7 +400,30 @@ class Program:
                 return reason
             if getters is not self.getters:
                 self.refresh_getters()
+        arg_state = self._arg_state()
+        if arg_state != self.arg_state:
+            return self._arg_state_difference(arg_state)
         return self._check_shared() if self.shared else None
+
+    def _arg_state(self) -> tuple:
+        """Per argument slot, the state slot whose storage its tensor is (None when none): a
+        write through either is seen through the other, which the program was recorded for or
+        not."""
+        cells = self.cell_slots
+        if cells is None:
+            cells = self.cell_slots = {id(c): i for i, c in enumerate(self.source)
+                                       if c is not None}
+        storage, is_tensor = api.storage, api.is_device_tensor
+        return tuple(cells.get(id(storage(obj))) if is_tensor(obj) else None
+                     for obj in (slot.get() for slot in self.arg_slots))
+
+    def _arg_state_difference(self, now) -> str:
+        for slot, was, new in zip(self.arg_slots, self.arg_state, now):
+            if was != new:
+                return (f"{slot.name} shares its storage with "
+                        f"{'nothing' if was is None else self.slots[was].name} -> "
+                        f"{'nothing' if new is None else self.slots[new].name}")
+        return "arguments sharing state"
 
     def _check_shared(self) -> str | None:
         """None when the slots that held one input's data when the step was recorded still hold
@@ -683,6 +712,8 @@ class Program:
             self.expect[i] = _UNSTEADY
         for module, training in self.flags_after:
             module.training = training
+        for container, key, value in self.settings_after:
+            container[key] = value
         treedef, returns = self.returns
         out = []
         for kind, a, b in returns:
@@ -766,6 +797,7 @@ class Program:
                            if s.key[0] in ("param", "group_param") and self.expect[i] is not None}
         self.unsteady = [i for i in self.guarded if spec_of(self.expect[i]) != self.specs[i]]
         self.requires_grad = [s is not None and s[0] == "tensor" and s[3] for s in self.specs]
+        self.arg_state = self._arg_state()
         self.measure_refs()
         self.refresh_getters()
         targets = {}

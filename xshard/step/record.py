@@ -185,12 +185,18 @@ class Recording:
                        for opt in roots.optimizers]
         stream = rng.position()  # see [Note: random draws in a compiled step]
         try:
+            settings = _settings(program.flag_modules, roots)
+            before = [container.get(key, None) for container, key, _ in settings]
             host_reads = host.HostReads()
+            cpu_stream = torch.default_generator.get_state()
             with optim_support.graph_paths(roots.optimizers) as stepping, \
                     capture.capturing(_Owner(compiled, bool(numbers), rates, stepping)), \
                     host_reads:
                 out = compiled.fn(*fn_args, **fn_kwargs)
+            self._refuse_host_draws(cpu_stream)
             self._check_host_state(rates, program.groups, slots, host_values)
+            if args.views:
+                self._refuse_written_views(leaves, wrapped)
             self._build_in_rates(rates, program.groups)
             program.draws = self._draws(stream)
             for rate in rates:
@@ -206,7 +212,7 @@ class Recording:
                                                                    program.flag_values)
                                    if m.training != v]
             exits = [s.get() for s in all_slots]
-            _record_settings(program, roots)
+            _record_settings(program, roots, settings, before)
             # _plan drops the result once it has read it: whatever its autograd graph keeps alive
             # (saved activations) is not state the step kept.
             result_box = [out]
@@ -263,6 +269,38 @@ class Recording:
                     f"sums (gradients accumulated under FSDP.no_sync()), which a compiled step "
                     f"cannot read. Run the steps that accumulate under no_sync, and the first one "
                     f"after it, without xshard.compile.")
+
+    def _refuse_host_draws(self, cpu_stream) -> None:
+        """Numbers drawn from the CPU generator inside the step (``torch.randn(4).to(dev)``,
+        ``torch.randperm(n)``) would be constants of the program: every replay would reuse the
+        first call's. Refused, the generator put back (the lazy path then draws them once)."""
+        if torch.equal(torch.default_generator.get_state(), cpu_stream):
+            return
+        torch.default_generator.set_state(cpu_stream)
+        raise StateError(
+            f"xshard.compile({self.compiled.name}): the step draws random numbers on the CPU "
+            f"(torch.randn(...) or torch.randperm(...) without a device, then moved): a compiled "
+            f"step would reuse the first call's numbers on every call. Draw them on the device "
+            f"(device=xshard.device(), or x.device), where each call draws anew, or pass them "
+            f"as arguments.")
+
+    def _refuse_written_views(self, leaves, wrapped) -> None:
+        """A view argument is passed by value (a copy, see compiled.Arguments): refused when the
+        step writes it, or the storage it views through another argument or the state, since
+        eager would see the write through the view (or the base)."""
+        def written(cell):
+            w = wrapped.get(id(cell))
+            return w is not None and api.storage_value(cell) is not w[2]
+
+        for i, view in self.args.views.items():
+            if written(api.storage(leaves[i])) or written(api.storage(view)):
+                raise StateError(
+                    f"xshard.compile({self.compiled.name}): {self.args.name(i)} is a view of "
+                    f"another tensor (x[1:3], x.t()), and the step writes it or the tensor it "
+                    f"views in place. A compiled step takes a view argument as a copy, so the "
+                    f"write would not reach the other. Pass the whole tensor and take the view "
+                    f"inside the step, or pass a copy and copy it back (y = v.clone(); step(y); "
+                    f"v.copy_(y)).")
 
     @staticmethod
     def _share_equal_scalars(slots, entry, unjoined) -> None:
@@ -407,6 +445,12 @@ class Recording:
         writes = []
         destination = {}  # id(storage) -> pair index
         accounted = set()  # storages whose pending value is dealt with otherwise
+        # A returned view of state (``model.weight.detach()``) shares its storage, as in eager:
+        # later steps update it, and it never holds an array a later call consumes.
+        exit_storage = {}
+        for i, o in enumerate(exits):
+            if api.is_device_tensor(o) and not api.is_view(o):
+                exit_storage.setdefault(id(api.storage(o)), i)
         for i, obj in enumerate(exits):
             if obj is None:
                 if entry[i] is not None:
@@ -414,8 +458,24 @@ class Recording:
                 continue
             if not api.is_device_tensor(obj):
                 continue
-            if api.is_view(obj):  # stored as a base tensor holding the view's value
-                accounted.add(id(api.storage(obj)))
+            if api.is_view(obj):
+                storage = api.storage(obj)
+                if id(storage) in exit_storage:
+                    continue  # a view of state another slot holds: it follows that storage
+                w = wrapped.get(id(storage))
+                if w is not None and api.storage_value(storage) is w[2]:
+                    continue  # untouched
+                if isinstance(slots[i], st.HeldSlot) or slots[i].key[0] in (
+                        "param", "group_param"):
+                    raise StateError(
+                        f"xshard.compile({name}): {slots[i].name} is a view of a storage no "
+                        f"other state holds (torch.nn.utils.vector_to_parameters, or "
+                        f"p.data = flat[a:b].view_as(p)), and the step writes it. A compiled "
+                        f"step stores each parameter in its own storage, which would change "
+                        f"the parameter object. Give each parameter its own storage first "
+                        f"(p.data = p.data.clone()), or run this step without xshard.compile.")
+                # stored as a base tensor holding the view's value
+                accounted.add(id(storage))
                 pairs.append((api.value(obj), None))
                 writes.append(Write(i, len(pairs) - 1, obj.shape, obj.dtype, None))
                 continue
@@ -432,12 +492,6 @@ class Recording:
                                     api.annotation(obj)))
         leaves_out, out_def = pytree.tree_flatten(out)
         exit_slot = {id(o): i for i, o in enumerate(exits) if api.is_device_tensor(o)}
-        # A returned view of state (``model.weight.detach()``) shares its storage, as in eager:
-        # later steps update it, and it never holds an array a later call consumes.
-        exit_storage = {}
-        for i, o in enumerate(exits):
-            if api.is_device_tensor(o) and not api.is_view(o):
-                exit_storage.setdefault(id(api.storage(o)), i)
         returns = []
         for leaf in leaves_out:
             if id(leaf) in exit_slot:
@@ -701,11 +755,34 @@ _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
 
 
-def _record_settings(program: Program, roots) -> None:
-    """The Python settings the program has built in, as the step left them: the modules'
-    (``self.scale = 0.5``, ``dropout.p``, ``eps``), and those the step function reads from its
-    closure and globals. The guard compares them on every call, and the other objects the step
-    reached that way by identity (see [Note: what the step reaches])."""
+def _settings(modules, roots) -> list:
+    """(container, key, name) of each Python setting a step may read: the modules' and the
+    optimizers' attributes that are settings, and those the step function reads from its closure
+    and globals (``container.get(key, None)`` reads each)."""
+    out = []
+    for m in modules:
+        for k, v in m.__dict__.items():
+            if k not in _MODULE_INTERNALS and (v is None or st.is_setting(v)):
+                out.append((m.__dict__, k, f"{type(m).__name__}.{k}"))
+    for opt in roots.optimizers:  # an optimizer's own attributes (``self.scale``)
+        for k, v in vars(opt).items():
+            if not k.startswith("_") and k not in _OPTIMIZER_INTERNALS and st.is_setting(v):
+                out.append((vars(opt), k, f"{type(opt).__name__}.{k}"))
+    return out + list(roots.settings)
+
+
+_OPTIMIZER_INTERNALS = frozenset({"defaults", "state", "param_groups"})
+
+
+def _record_settings(program: Program, roots, settings, before) -> None:
+    """The Python settings the program has built in: the modules' (``self.scale = 0.5``,
+    ``dropout.p``, ``eps``), the optimizers', and those the step function reads from its
+    closure and globals, as they were when the step began (``before``, per entry of
+    ``settings``). The guard compares them on every call; one the step changes (a counter,
+    ``self.steps += 1``) is set to the value the step left by each replay, so a step that keeps
+    changing it records again each call, and runs its Python. One the step changes from None (a
+    lazy initialisation) is compared as the step left it. The other objects the step reached
+    that way are compared by identity (see [Note: what the step reaches])."""
     for m in program.flag_modules:
         d = m.__dict__
         # An attribute added since (``m.forward = ...``); counted as the step left them (a forward
@@ -714,18 +791,29 @@ def _record_settings(program: Program, roots) -> None:
         program.sizes.append(len(d))
         program.size_names.append(f"attributes of a {type(m).__name__}")
         for k, v in d.items():
-            if k in _MODULE_INTERNALS or isinstance(v, torch.Tensor):
-                continue
-            if v is None or st.is_setting(v):
-                program.settings.append((d, k))
-                program.setting_values.append(v)
-                program.setting_names.append(f"{type(m).__name__}.{k}")
-            else:
+            if k not in _MODULE_INTERNALS and not isinstance(v, torch.Tensor) and \
+                    not (v is None or st.is_setting(v)):
                 program.bind(d, k, f"{type(m).__name__}.{k}")
-    for container, key, name in roots.settings:
+    for (container, key, name), v in zip(settings, before):
+        after = container.get(key, None)
+        if v is None:  # a lazy initialisation (FSDP's, a cache): compared as the step left it
+            v = after
         program.settings.append((container, key))
-        program.setting_values.append(container.get(key, None))
+        program.setting_values.append(v)
         program.setting_names.append(name)
+        if not same_value(after, v):
+            if not isinstance(container, dict):
+                raise StateError(
+                    f"xshard.compile({program.name}): the step changes {name} ({v!r} -> "
+                    f"{after!r}), a Python value a replay cannot set. Keep it as a tensor, or "
+                    f"change it outside the step.")
+            program.settings_after.append((container, key, after))
+    seen = {(id(container), key) for container, key, _ in settings}
+    for container, key, name in _settings(program.flag_modules, roots):
+        if (id(container), key) not in seen:  # added by the step: compared as it left it
+            program.settings.append((container, key))
+            program.setting_values.append(container.get(key, None))
+            program.setting_names.append(name)
     program.setting_types = [type(v) for v in program.setting_values]
     for container, key, name in roots.bindings:
         program.bind(container, key, name)
@@ -738,6 +826,6 @@ def _record_settings(program: Program, roots) -> None:
 # each hook. Each such reference is compared by identity on every call (a list of ``is`` checks):
 # ``model = Net()`` after the step was compiled, ``model[1] = nn.Tanh()``, a new ``nn.Parameter``
 # in place of one, a hook replaced, each records the step again. What the objects hold is
-# compared only where it is state (tensors, by slot) or a setting (by value); a change inside
-# another object (a list the step reads, a helper's attribute) is not seen: pass such values as
-# arguments.
+# compared only where it is state (tensors, by slot, device tensors in a dict, list or tuple
+# included) or a setting (by value); a change inside another object (a helper's attribute) is not
+# seen: pass such values as arguments.

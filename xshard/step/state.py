@@ -68,6 +68,22 @@ class DictSlot(Slot):
         return partial(self.mapping.get, self.entry)
 
 
+class ItemSlot(Slot):
+    """``items[index]`` of a list (None once the list is shorter)."""
+
+    __slots__ = ("items", "index")
+
+    def __init__(self, key, name, items: list, index: int):
+        self.key, self.name, self.items, self.index = key, name, items, index
+
+    def get(self):
+        items = self.items
+        return items[self.index] if self.index < len(items) else None
+
+    def set(self, value) -> None:
+        self.items[self.index] = value
+
+
 class GradSlot(Slot):
     """``param.grad``."""
 
@@ -216,7 +232,7 @@ class Roots:
         self._seen: set = set()
         self._setting_names: set = set()
 
-    def add(self, obj, depth: int = 0) -> None:
+    def add(self, obj, depth: int = 0, name: str = "") -> None:
         if id(obj) in self._seen:
             return
         if isinstance(obj, nn.Module):
@@ -225,12 +241,19 @@ class Roots:
         elif isinstance(obj, torch.optim.Optimizer):
             self._seen.add(id(obj))
             self.optimizers.append(obj)
-        elif isinstance(obj, (list, tuple)) and depth < 2:
-            for item in obj:
-                self.add(item, depth + 1)
-        elif isinstance(obj, dict) and depth < 2:
-            for item in obj.values():
-                self.add(item, depth + 1)
+        elif isinstance(obj, (list, tuple, dict)) and depth < 2:
+            # Device tensors in it are state (``params["w"]`` of a functional-style step): the
+            # step may update them in place, or a list entry or dict value may be replaced.
+            self._seen.add(id(obj))
+            items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+            for key, item in items:
+                where = f"{name}[{key!r}]"
+                if not api.is_device_tensor(item):
+                    self.add(item, depth + 1, where)
+                elif isinstance(obj, tuple):
+                    self.tensors.append((item, where))
+                else:
+                    self.entries.append((obj, key, where))
         elif depth == 0 and _has_attributes(obj):
             # An object the step is a method of (a trainer): its attributes, one level down.
             self._seen.add(id(obj))
@@ -319,7 +342,7 @@ def find_roots(fn, extra=()) -> Roots:
             if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
                 visit(value)
             elif not is_setting(value):
-                roots.add(value, depth=1)
+                roots.add(value, depth=1, name=name)
         defaults = dict(zip(code.co_varnames[code.co_argcount - len(f.__defaults__ or ()):
                                              code.co_argcount], f.__defaults__ or ()))
         defaults.update(f.__kwdefaults__ or {})
@@ -327,7 +350,7 @@ def find_roots(fn, extra=()) -> Roots:
             if api.is_device_tensor(value):
                 roots.tensors.append((value, f"default argument {name!r}"))
             elif not is_setting(value):
-                roots.add(value, depth=1)
+                roots.add(value, depth=1, name=name)
         for kind in ("__defaults__", "__kwdefaults__"):
             roots.reach(_AttributeReader(f), kind, getattr(f, kind), f"{f.__name__}.{kind}")
         module_globals = getattr(f, "__globals__", {})
@@ -345,6 +368,8 @@ def find_roots(fn, extra=()) -> Roots:
                 roots.reach(module_globals, name, value, f"global {name!r}")
             if isinstance(value, (nn.Module, torch.optim.Optimizer)):
                 roots.add(value)
+            elif isinstance(value, (list, tuple, dict)) and name in loaded:
+                roots.add(value, depth=1, name=name)
             elif isinstance(value, types.FunctionType) and value.__module__ == f.__module__:
                 visit(value)
 
@@ -580,8 +605,9 @@ def state_slots(roots: Roots) -> list[Slot]:
         slots.append(HeldSlot(("held", id(t)), name, t))
         if t.requires_grad and id(t) not in params:
             params[id(t)] = (t, name)
-    for mapping, key, name in roots.entries:
-        slots.append(DictSlot(("entry", id(mapping), key), name, mapping, key))
+    for container, key, name in roots.entries:
+        kind = DictSlot if isinstance(container, dict) else ItemSlot
+        slots.append(kind(("entry", id(container), key), name, container, key))
     for p, name in params.values():
         slots.append(GradSlot(("grad", id(p)), f"{name}.grad", p))
     for o, opt in enumerate(roots.optimizers):

@@ -80,7 +80,7 @@ def train(variant: str, rank: int, world: int) -> dict:
         xshard.sync()
         losses.append(loss.item())
     if variant == "fsdp-compiled":  # replayed with its parameters packed (see xshard/step)
-        assert step.traces == 1 and step._last.packed, (step.traces, step._last.packed)
+        assert step.traces == 1 and step._last.packed, (step.retrace_reasons, step._last.packed)
     if variant != "2d":
         params = model.state_dict()  # gathered on every process
     else:
