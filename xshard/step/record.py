@@ -193,12 +193,12 @@ class Recording:
                     capture.capturing(_Owner(compiled, bool(numbers), rates, stepping)), \
                     host_reads:
                 out = compiled.fn(*fn_args, **fn_kwargs)
-            self._refuse_host_draws(cpu_stream)
             self._check_host_state(rates, program.groups, slots, host_values)
             if args.views:
                 self._refuse_written_views(leaves, wrapped)
             self._build_in_rates(rates, program.groups)
-            program.draws = self._draws(stream)
+            program.draws = self._draws(stream)  # refuses a step seeding the streams first
+            self._refuse_host_draws(cpu_stream)
             for rate in rates:
                 rate.restore()
             # The state that exists now (the first step creates the optimizer's).
