@@ -445,8 +445,9 @@ class Recording:
         writes = []
         destination = {}  # id(storage) -> pair index
         accounted = set()  # storages whose pending value is dealt with otherwise
-        # A returned view of state (``model.weight.detach()``) shares its storage, as in eager:
-        # later steps update it, and it never holds an array a later call consumes.
+        # id(storage) -> the first non-view slot holding it. A view of such a storage (in a slot,
+        # or returned: ``model.weight.detach()``) shares it, as in eager: later steps update it,
+        # and it never holds an array a later call consumes.
         exit_storage = {}
         for i, o in enumerate(exits):
             if api.is_device_tensor(o) and not api.is_view(o):
