@@ -33,6 +33,30 @@ def test_dropout_masks_differ_between_calls_and_follow_the_seed():
     assert drop.traces == 1
 
 
+def test_replay_executable_draws_as_the_host_counter_wraps(monkeypatch):
+    """The replay executable reads the stream's numbers from one (seed, counter) array: a draw's
+    counter wraps past 2**64 as the host's does, and every mask equals the lazy path's."""
+    from xshard.core import rng
+    from xshard.step import packing
+
+    monkeypatch.setattr(packing, "MIN_PACKED", 1)  # a replay executable for this small step
+    x = torch.ones(64, 32).to(DEV)
+
+    def two_draws(x):
+        return F.dropout(x, 0.5), F.dropout(x * 3, 0.25)
+
+    drop = xshard.compile(two_draws)
+    last = (1 << 64) - 1  # draws at 2**64 - 1 and 0: recorded, then replayed so
+    for counter in (last, 5, last - 2, last):
+        rng.set_position(7, counter)
+        compiled = [t.cpu() for t in drop(x)]
+        rng.set_position(7, counter)
+        lazy = [t.cpu() for t in two_draws(x)]
+        assert all(torch.equal(a, b) for a, b in zip(compiled, lazy))
+        assert rng.position() == (7, (counter + 2) % (1 << 64))
+    assert drop.traces == 1 and drop._last.packed.stream
+
+
 def test_dropout_in_a_training_step_matches_the_lazy_path():
     from xshard.models import GPT, GPTConfig
 
@@ -50,6 +74,12 @@ def test_dropout_in_a_training_step_matches_the_lazy_path():
         losses.append(run)
     assert losses[0] == losses[1]
     assert step.traces == 1
+    # Replayed by the replay executable, with the constants built in and the stream's numbers
+    # read from one array (see [Note: numbers built into a replay] in xshard/step/packing.py).
+    replay = step._last.packed
+    assert replay.fixed and len(replay.stream) == 8
+    assert len(step._last.compiled.input_shardings[0]) == len(replay.layouts) + len(
+        replay.inputs) + 1
 
 
 def test_gradients_left_by_the_step_are_updated():

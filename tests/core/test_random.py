@@ -174,6 +174,19 @@ def test_rng_state_round_trip_replays_the_draws():
         torch.xshard.set_rng_state(torch.zeros(8, dtype=torch.uint8))
 
 
+def test_the_counter_wraps_as_a_uint64():
+    """A state whose counter is the last uint64 (restored from anywhere): the next draws are at
+    2**64 - 1 and then 0, as the state's 8 bytes say; the draw at 0 is the one a fresh seed makes."""
+    torch.manual_seed(5)
+    first = torch.rand(8, device=DEV).cpu()
+    state = torch.xshard.get_rng_state()
+    state[8:] = 255  # counter 2**64 - 1
+    torch.xshard.set_rng_state(state)
+    torch.rand(8, device=DEV).cpu()
+    assert torch.equal(torch.rand(8, device=DEV).cpu(), first)
+    assert torch.xshard.get_rng_state()[8:].tolist() == [1] + [0] * 7
+
+
 class _Squares(torch.utils.data.Dataset):
     def __len__(self):
         return 16

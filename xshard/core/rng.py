@@ -46,7 +46,7 @@ def next_key() -> ir.Node:
     """Key data (uint32[2]) for one random op, as a node; advances the stream."""
     _ensure_seeded()
     counter = _STATE["counter"]
-    _STATE["counter"] = counter + 1
+    _STATE["counter"] = (counter + 1) & _MASK  # a uint64: it wraps
     seed = ir.scalar_node(_STATE["seed"], torch.uint64)
     count = ir.scalar_node(counter, torch.uint64)
     return ir.Node(ir.RNG_KEY, (seed, count), ((ir.slot(0), ir.slot(1)), ()), _KEY_SHAPE,
@@ -65,13 +65,13 @@ def advance(n: int) -> tuple[int, int]:
     if _STATE["seed"] is None:
         _ensure_seeded()
     counter = _STATE["counter"]
-    _STATE["counter"] = counter + n
+    _STATE["counter"] = (counter + n) & _MASK
     return _STATE["seed"], counter
 
 
 def set_position(seed: int, counter: int) -> None:
     """Sets the stream's state to ``(seed, counter)`` (as ``position`` returns it)."""
-    _STATE["seed"], _STATE["counter"] = int(seed) & _MASK, int(counter)
+    _STATE["seed"], _STATE["counter"] = int(seed) & _MASK, int(counter) & _MASK
 
 
 def get_state() -> torch.Tensor:

@@ -241,6 +241,7 @@ class Program:
         self.other_inputs: list = []
         self.random_inputs: list = []  # (input position, counter offset or None for the seed)
         self.seed = self.seed_array = None
+        self.position = None  # the random stream's (seed, counter) for the running call
         self.base_refs: dict = {}  # slot -> refs() of the node stored last
         self.placement: list[int] = []  # outputs whose arrays must be placed (see api.placed)
         # (input position, slot, whether an argument slot, sharding) of each input the
@@ -543,7 +544,7 @@ class Program:
             else:  # a Python number
                 values[position] = np.asarray(args.leaves[a], b)
         if self.draws:
-            seed, counter = rng.advance(self.draws)
+            seed, counter = self.position = rng.advance(self.draws)
             if self.random_inputs:
                 self._feed_stream(values, seed, counter)
         for position, i, arg, new in self.moves:
@@ -556,7 +557,8 @@ class Program:
         return self.store(results)
 
     def _plan_packs(self) -> None:
-        """At the first replay: which consumed state goes in packs (see [Note: packed state])."""
+        """At the first replay: which consumed state goes in packs (see [Note: packed state]) and
+        which numbers are built in (see [Note: numbers built into a replay] in packing.py)."""
         self.packed = False
         if self.plain is None:
             return
@@ -572,10 +574,14 @@ class Program:
         values = {p: api.storage_value(self.source[i]).payload for p, i in self.donated}
         outputs = self.executable.compiled.out_info
         layouts = packing.plan(values, outputs, pairs)
-        if not layouts:
+        fixed = {p: np.asarray(b, a.dtype) for p, (kind, a, b) in enumerate(self.inputs)
+                 if kind == "constant" and b is not None}
+        if packing.Packed.saves(layouts, fixed, self.random_inputs) < packing.MIN_PACKED:
             self.plain = None
             return
-        self.packed = packing.Packed(layouts, len(self.inputs), len(outputs))
+        self.packed = packing.Packed(layouts, len(self.inputs), len(outputs), fixed,
+                                     self.random_inputs)
+        self.random_inputs = []  # the stream's numbers are read from one array (see execute)
         slot_of = dict(self.donated)
         packed_in = {m.input for layout in layouts for m in layout.members}
         self.packs = [None] * len(layouts)
@@ -648,13 +654,15 @@ class Program:
         packed = self.packed
         if packed:
             packs = self._packs()
+            stream = packed.stream_array(*self.position) if packed.stream else None
             if packed.compiled is None:
                 inner, options = self.plain
-                packed.compile(inner, options, packs, values, [p for p, _ in self.donated],
-                               self.executable.compiled, self.name)
+                packed.compile(inner, options, packs, values, stream,
+                               [p for p, _ in self.donated], self.executable.compiled, self.name)
                 self.compiled, self.plain = packed.compiled, None
             with trace.phase(trace.EXECUTE):
-                out = self.compiled(*packs, *[values[p] for p in packed.inputs])
+                out = self.compiled(*packs, *[values[p] for p in packed.inputs],
+                                    *(() if stream is None else (stream,)))
             del packs
             self.new_packs, results = packed.results(out)
         else:
@@ -668,7 +676,10 @@ class Program:
         learning rates, the numbers passed, the constants'."""
         out = []
         for position, (kind, a, b) in enumerate(self.inputs):
-            if kind in ("random", "number"):
+            if kind == "random":
+                seed, counter = self.position
+                out.append(seed if a is None else (counter + a) & _MASK)
+            elif kind == "number":
                 out.append(values[position].item())
             elif kind == "lr":
                 out.append(a.host())

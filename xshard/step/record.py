@@ -403,7 +403,7 @@ class Recording:
                 f"(torch.manual_seed or set_rng_state inside the compiled function); Python in a "
                 f"compiled step runs only when it is recorded, so a replay would not seed it. "
                 f"Seed outside the step, before calling it.")
-        return counter - stream[1]
+        return (counter - stream[1]) % (1 << 64)  # the uint64 counter wraps
 
     def _undo(self, slots, entry, wrapped, rates, saved_state, groups):
         """After a failed recording: the state as it was at entry; half-done work never runs."""
@@ -600,9 +600,12 @@ class Recording:
         program.copied = [p for p in exe.donate if p not in mine]
         program.moves = [(p, program.inputs[p][1], program.inputs[p][0] == "arg", new)
                          for p, new in exe.moves if program.inputs[p][0] in ("arg", "state")]
-        if len(program.donated) >= packing.MIN_PACKED:  # see [Note: packed state]
-            program.plain = (compiler.Program(graph), compiler.compiler_options(graph))
         program.prepare()
+        # See [Note: packed state] and [Note: numbers built into a replay] in packing.py.
+        foldable = sum(kind == "random" or (kind == "constant" and b is not None)
+                       for kind, _, b in program.inputs)
+        if len(program.donated) + foldable >= packing.MIN_PACKED:
+            program.plain = (compiler.Program(graph), compiler.compiler_options(graph))
         for w in writes:
             w.position = owners[w.position]
         program.writes = writes
