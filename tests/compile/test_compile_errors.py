@@ -75,6 +75,23 @@ def test_refused_and_lazy_path_still_works(trained, fn, match):
     assert torch.isfinite(torch.as_tensor(out.cpu() if hasattr(out, "cpu") else out)).all()
 
 
+def test_a_read_inside_a_library_names_the_library_line_too():
+    """BatchNorm with momentum=None reads its batch count as a number in its forward: the error
+    names the user's line and BatchNorm's."""
+    bn = torch.nn.BatchNorm1d(8, momentum=None).to(DEV)
+
+    def step(x):
+        return bn(x).sum()  # the user's line
+
+    with pytest.raises(CaptureError, match=r"test_compile_errors.py:\d+: return bn\(x\).sum\(\).* "
+                                           r"\(inside torch/nn/modules/batchnorm.py:\d+: .*"
+                                           r"float\(self.num_batches_tracked\)"):
+        xshard.compile(step)(torch.randn(4, 8).to(DEV))
+    assert int(bn.num_batches_tracked.cpu()) == 0  # nothing ran
+    step(torch.randn(4, 8).to(DEV))  # the lazy path
+    assert int(bn.num_batches_tracked.cpu()) == 1
+
+
 class _nothing:
     def __enter__(self):
         return self

@@ -25,6 +25,7 @@ class StateError(CompileError):
 # Frames inside these directories are library code; the user's line is the innermost frame outside.
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
 _XSHARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_ROOTS = tuple(os.path.dirname(d.rstrip(os.sep)) + os.sep for d in _LIBRARY_DIRS)
 
 
 def _is_library(filename: str) -> bool:
@@ -33,17 +34,44 @@ def _is_library(filename: str) -> bool:
         return True
     if filename.startswith(_XSHARD_DIR):
         # xshard's own reference models are user code for this purpose.
-        return not filename.startswith(os.path.join(_XSHARD_DIR, "models") + os.sep)
+        return _is_xshard(filename)
     return "/site-packages/" in filename or filename.startswith("<frozen")
 
 
 def user_line() -> str:
-    """``file:line (code)`` of the innermost frame of the current stack outside torch and xshard."""
+    """``file:line: code`` of the innermost frame of the current stack outside torch and xshard,
+    and, when a library called from there did it (``float(self.num_batches_tracked)`` in
+    BatchNorm's forward), that library's innermost line too."""
+    inner = None  # the innermost frame outside xshard itself
     for frame in reversed(traceback.extract_stack()):
         if not _is_library(frame.filename):
-            code = f": {frame.line.strip()}" if frame.line else ""
-            return f"{frame.filename}:{frame.lineno}{code}"
+            where = _line(frame, frame.filename)
+            if inner is not None and inner is not frame:
+                where += f" (inside {_line(inner, _library_path(inner.filename))}, in {inner.name})"
+            return where
+        if inner is None and not _is_xshard(frame.filename):
+            inner = frame
     return "<unknown line>"
+
+
+def _line(frame, path: str) -> str:
+    code = f": {frame.line.strip()}" if frame.line else ""
+    return f"{path}:{frame.lineno}{code}"
+
+
+def _library_path(filename: str) -> str:
+    """``torch/nn/modules/batchnorm.py`` rather than the full path into site-packages."""
+    filename = os.path.abspath(filename)
+    for root in _LIBRARY_ROOTS:
+        if filename.startswith(root):
+            return filename[len(root):]
+    return filename
+
+
+def _is_xshard(filename: str) -> bool:
+    filename = os.path.abspath(filename)
+    return filename.startswith(_XSHARD_DIR) and not filename.startswith(
+        os.path.join(_XSHARD_DIR, "models") + os.sep)
 
 
 def user_stacklevel() -> int:
