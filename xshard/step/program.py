@@ -240,6 +240,7 @@ class Program:
         self.state_inputs: list = []
         self.other_inputs: list = []
         self.random_inputs: list = []  # (input position, counter offset or None for the seed)
+        self.fixed_numbers: dict = {}
         self.seed = self.seed_array = None
         self.position = None  # the random stream's (seed, counter) for the running call
         self.base_refs: dict = {}  # slot -> refs() of the node stored last
@@ -574,8 +575,7 @@ class Program:
         values = {p: api.storage_value(self.source[i]).payload for p, i in self.donated}
         outputs = self.executable.compiled.out_info
         layouts = packing.plan(values, outputs, pairs)
-        fixed = {p: np.asarray(b, a.dtype) for p, (kind, a, b) in enumerate(self.inputs)
-                 if kind == "constant" and b is not None}
+        fixed = self.fixed_numbers
         if packing.Packed.saves(layouts, fixed, self.random_inputs) < packing.MIN_PACKED:
             self.plain = None
             return
@@ -696,6 +696,10 @@ class Program:
                              if kind in ("arg", "lr", "number")]
         self.random_inputs = [(p, a, b) for p, (kind, a, b) in enumerate(self.inputs)
                               if kind == "random"]
+        # The constant numbers a replay executable builds in (see [Note: numbers built into a
+        # replay] in packing.py): position -> the 0-d value.
+        self.fixed_numbers = {p: np.asarray(b, a.dtype) for p, (kind, a, b) in
+                              enumerate(self.inputs) if kind == "constant" and b is not None}
 
     def store(self, results):
         if self.placement:

@@ -602,8 +602,7 @@ class Recording:
                          for p, new in exe.moves if program.inputs[p][0] in ("arg", "state")]
         program.prepare()
         # See [Note: packed state] and [Note: numbers built into a replay] in packing.py.
-        foldable = sum(kind == "random" or (kind == "constant" and b is not None)
-                       for kind, _, b in program.inputs)
+        foldable = len(program.fixed_numbers) + len(program.random_inputs)
         if len(program.donated) + foldable >= packing.MIN_PACKED:
             program.plain = (compiler.Program(graph), compiler.compiler_options(graph))
         for w in writes:
