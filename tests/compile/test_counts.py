@@ -73,7 +73,7 @@ def test_fresh_optimizer_records_twice_then_never(caplog):
         step(*(t.to(DEV) for t in data[0]))
         step(*(t.to(DEV) for t in data[1]))
     assert step.traces == 2
-    assert "parameters with state in a SGD: 0 -> 4" in caplog.text
+    assert "parameters with state in the SGD: 0 -> 4" in caplog.text
     before = xshard.metrics.snapshot()["compiles"]
     for x, y in data[2:]:
         step(x.to(DEV), y.to(DEV))

@@ -88,6 +88,40 @@ def test_adagrad_is_refused_naming_its_host_step_count():
     assert torch.isfinite(loss.cpu())
 
 
+def test_averaged_model_updated_inside_the_step_is_refused_and_works_between_calls():
+    """AveragedModel counts its updates in a CPU buffer: updated inside a compiled step it is
+    refused, naming the buffer and the fix; updated between calls it matches eager."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    def run(device, compiled, inside):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2).to(device)
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x):
+            loss = train_update(lambda v: model(v).sum(), opt, x)
+            if inside:
+                ema.update_parameters(model)
+            return loss
+
+        step = xshard.compile(step) if compiled else step
+        for i in range(3):
+            step(torch.full((2, 3), float(i + 1)).to(device))
+            if not inside:
+                ema.update_parameters(model)
+        return [p.detach().cpu() for p in ema.module.parameters()], int(ema.n_averaged)
+
+    with pytest.raises(StateError, match=r"n_averaged, a Python value .* Make that update "
+                                         r"outside the compiled step, between calls"):
+        run(DEV, compiled=True, inside=True)
+    want, n = run("cpu", compiled=False, inside=False)
+    got, m = run(DEV, compiled=True, inside=False)
+    assert n == m == 3
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a)
+
+
 def _sgd_run(device, lrs, compiled, **kw):
     """Three SGD steps on ``device`` with learning rate ``lrs[i]`` at step ``i`` (a callable
     ``lrs[i](opt)`` changes it in place instead)."""

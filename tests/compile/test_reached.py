@@ -91,11 +91,11 @@ _CASES = {
     "global model": "global 'G_MODEL' is another object",
     "trainer attribute": "_Trainer.model is another object",
     "closure function": "closure variable 'act' is another object",
-    "submodule": "modules of a MLP, entry 'fc1'",
-    "module function attribute": "number of attributes of a Linear",
+    "submodule": "modules of the MLP, entry 'fc1'",
+    "module function attribute": "number of attributes of the Linear",
     "parameter object": "model.fc2.bias is another tensor object",
-    "hook replaced": "forward hooks of a Linear, entry",
-    "hook added": "number of forward hooks of a Linear: 0 -> 1",
+    "hook replaced": "forward hooks of the Linear, entry",
+    "hook added": "number of forward hooks of the Linear: 0 -> 1",
 }
 
 

@@ -330,21 +330,21 @@ class Recording:
             name = type(m).__name__
             for kind in _MODULE_DICTS:
                 program.sized.append(getattr(m, kind))
-                program.size_names.append(f"{kind[1:].replace('_', ' ')} of a {name}")
+                program.size_names.append(f"{kind[1:].replace('_', ' ')} of the {name}")
             for kind in _MODULE_HELD:
-                program.hold(getattr(m, kind), f"{kind[1:].replace('_', ' ')} of a {name}")
+                program.hold(getattr(m, kind), f"{kind[1:].replace('_', ' ')} of the {name}")
         for kind in _GLOBAL_HOOKS:
             program.hold(getattr(torch.nn.modules.module, kind),
                          f"global module hooks ({kind[8:].replace('_', ' ')})")
         for opt in roots.optimizers:
             program.sized.append(opt.state)
-            program.size_names.append(f"parameters with state in a {type(opt).__name__}")
+            program.size_names.append(f"parameters with state in the {type(opt).__name__}")
             for g, group in enumerate(opt.param_groups):
                 program.hold(group["params"],
-                             f"parameters in param group {g} of a {type(opt).__name__}")
+                             f"parameters in param group {g} of the {type(opt).__name__}")
             for p, per_param in opt.state.items():
                 program.sized.append(per_param)
-                program.size_names.append(f"state entries of a parameter in a "
+                program.size_names.append(f"state entries of a parameter in the "
                                           f"{type(opt).__name__}")
         program.sizes = [len(d) for d in program.sized]
 
@@ -371,11 +371,17 @@ class Recording:
         for slot in slots:
             spec = host_values.get(slot.key)
             if spec is not None and spec != spec_of(slot.get()):
+                if isinstance(slot, st.OptimizerStateSlot):
+                    fix = ("Use an optimizer that keeps such state in tensors (for the Adam "
+                           "family, capturable=True)")
+                else:  # a counter of the user's or a library's (AveragedModel.n_averaged)
+                    fix = ("Make that update outside the compiled step, between calls (e.g. "
+                           "ema.update_parameters(model) after step(...)), or keep the value in "
+                           "a device tensor that the step updates with tensor ops")
                 raise StateError(
                     f"xshard.compile({name}): the step changed {slot.name}, a Python value "
                     f"({describe(spec)} -> {describe(spec_of(slot.get()))}), which a replay "
-                    f"cannot update. Use an optimizer that keeps such state in tensors (for the "
-                    f"Adam family, capturable=True), or run this step without xshard.compile.")
+                    f"cannot update. {fix}, or run this step without xshard.compile.")
 
     def _build_in_rates(self, rates, groups) -> None:
         """Learning rates torch.optim read as numbers are constants of the program, kept by the
@@ -792,7 +798,7 @@ def _record_settings(program: Program, roots, settings, before) -> None:
         # may add a cache attribute the first time it runs).
         program.sized.append(d)
         program.sizes.append(len(d))
-        program.size_names.append(f"attributes of a {type(m).__name__}")
+        program.size_names.append(f"attributes of the {type(m).__name__}")
         for k, v in d.items():
             if k not in _MODULE_INTERNALS and not isinstance(v, torch.Tensor) and \
                     not (v is None or st.is_setting(v)):
