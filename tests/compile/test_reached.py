@@ -346,3 +346,82 @@ def test_model_and_settings_bound_as_default_arguments():
     cpu, dev = run("cpu", False), run(DEV, True)
     assert_same_run(cpu, dev)
     assert dev[2].traces == 2 and "train_step.__kwdefaults__" in dev[2].retrace_reasons[0]
+
+
+# Settings a model's code reads from its module's globals: not through the step function but
+# through a forward, a helper method it calls on ``self``, or a helper function of this module.
+SCALE_FORWARD = SCALE_METHOD = SCALE_HELPER = 1.0
+
+
+class _Config:
+    pass
+
+
+_CONFIG = _Config()
+
+
+def _activation(h):
+    return torch.tanh(h) * SCALE_HELPER
+
+
+class _GlobalReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.config = _CONFIG
+
+    def forward(self, x, y):
+        logits = self._head(_activation(self.fc1(x))) * SCALE_FORWARD
+        return nn.functional.cross_entropy(logits, y)
+
+    def _head(self, h):
+        return self._scaled(self.fc2(h)) * SCALE_METHOD
+
+    def _scaled(self, h):
+        return h * self.config.scale
+
+
+_GLOBAL_CHANGES = {
+    "global read by forward": ("SCALE_FORWARD", "global 'SCALE_FORWARD': 1.0 -> 2.0"),
+    "global read by a method forward calls": ("SCALE_METHOD", "global 'SCALE_METHOD'"),
+    "global read by a helper function": ("SCALE_HELPER", "global 'SCALE_HELPER'"),
+    "setting through self in a method's method": ("config", "_GlobalReader.config.scale: "
+                                                            "1.0 -> 2.0"),
+    "helper function replaced": ("_activation", "global '_activation' is another object"),
+}
+
+
+@pytest.mark.parametrize("change", list(_GLOBAL_CHANGES))
+def test_globals_read_by_module_code_changed_between_calls(change):
+    """A setting a module's forward reads as a global, or through a method or a function of its
+    module that the forward calls, was built into the program and kept after it changed: a
+    silent wrong answer. Each is compared on every call now, as the step function's own are."""
+    name, reason = _GLOBAL_CHANGES[change]
+
+    def run(device, compiled):
+        global SCALE_FORWARD, SCALE_METHOD, SCALE_HELPER, _activation
+        SCALE_FORWARD = SCALE_METHOD = SCALE_HELPER = _CONFIG.scale = 1.0
+        activation = _activation
+        torch.manual_seed(0)
+        model = _GlobalReader().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fn = lambda x, y: train_update(model, opt, x, y)  # noqa: E731
+        step = xshard.compile(fn) if compiled else fn
+        losses = []
+        try:
+            for i, (x, y) in enumerate(make_batches("mlp", 4)):
+                if i == 2:
+                    if name == "config":
+                        _CONFIG.scale = 2.0
+                    elif name == "_activation":
+                        _activation = lambda h: torch.sigmoid(h) * 2  # noqa: E731
+                    else:
+                        globals()[name] = 2.0
+                losses.append(step(x.to(device), y.to(device)).item())
+        finally:
+            _activation = activation
+        return losses, [p.detach().cpu() for p in model.parameters()], step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    assert_same_run(cpu, dev)
+    assert dev[2].traces == 2 and reason in dev[2].retrace_reasons[0], dev[2].retrace_reasons

@@ -353,6 +353,11 @@ def find_roots(fn, extra=()) -> Roots:
                 roots.add(value, depth=1, name=name)
         for kind in ("__defaults__", "__kwdefaults__"):
             roots.reach(_AttributeReader(f), kind, getattr(f, kind), f"{f.__name__}.{kind}")
+        reach_globals(f, code)
+
+    def reach_globals(f, code) -> None:
+        """The globals ``f`` reads: settings compared by value, other objects by identity, device
+        tensors as state; the functions of its own module it names are visited."""
         module_globals = getattr(f, "__globals__", {})
         loaded = _loaded_globals(code)
         for name in sorted(_global_names(code)):
@@ -373,14 +378,31 @@ def find_roots(fn, extra=()) -> Roots:
             elif isinstance(value, types.FunctionType) and value.__module__ == f.__module__:
                 visit(value)
 
+    def method(f, m) -> None:
+        """``f``, a function of ``type(m)`` the step runs on ``m`` (its forward, a helper method
+        the forward calls on ``self``): what it reads through ``self``, its globals, and the
+        methods it calls on ``self`` in turn."""
+        if (id(f), id(m)) in seen_methods:
+            return
+        seen_methods.add((id(f), id(m)))
+        _reach_paths(roots, f, m, None)
+        if id(f) not in seen_fns:  # its globals are the same for every instance
+            seen_fns.add(id(f))
+            reach_globals(f, f.__code__)
+        this = f.__code__.co_varnames[0] if f.__code__.co_argcount else None
+        for chain in read_paths(f.__code__).get(("local", this), ()):
+            if len(chain) == 1 and chain[0][0] == "attr":
+                helper = inspect.getattr_static(type(m), chain[0][1], None)
+                if isinstance(helper, types.FunctionType):
+                    method(helper, m)
+
     visit(fn)
-    seen_forwards: set = set()
-    for root in list(roots.modules):
+    seen_methods: set = set()
+    for root in roots.modules:  # grows while it is walked: a forward may name a global module
         for m in root.modules():
             forward = getattr(type(m), "forward", None)
-            if isinstance(forward, types.FunctionType) and id(m) not in seen_forwards:
-                seen_forwards.add(id(m))
-                _reach_paths(roots, forward, m, None)
+            if isinstance(forward, types.FunctionType):
+                method(forward, m)
     return roots
 
 
@@ -389,10 +411,11 @@ def find_roots(fn, extra=()) -> Roots:
 # ``cfg.loss_weight`` of a global or closure ``cfg``, ``self.cfg.scale`` in a method or a module's
 # forward, ``weights["kl"]``, ``schedule[0]``. The code says which: the chains of attribute reads
 # and constant subscripts it applies to a name it loads (``LOAD_GLOBAL cfg; LOAD_ATTR
-# loss_weight``), in the step function, the functions it reaches and each module's ``forward``.
-# Each chain that ends in a setting (or None) when the step is recorded is read again on every
-# call, the same way but only through instance dicts, dict keys and sequence indices (no property
-# or ``__getattr__`` runs), and compared; a change records the step again. A value the code
+# loss_weight``), in the step function, the functions it reaches, each module's ``forward`` and
+# the methods that calls on ``self`` (a chain may be just the name: a global setting a forward
+# reads). Each chain that ends in a setting (or None) when the step is recorded is read again on
+# every call, the same way but only through instance dicts, dict keys and sequence indices (no
+# property or ``__getattr__`` runs), and compared; a change records the step again. A value the code
 # computes (``cfg.get("w")``, ``schedule[i]``) or a helper in another module reads is not seen:
 # pass it as an argument.
 
