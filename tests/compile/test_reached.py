@@ -349,8 +349,9 @@ def test_model_and_settings_bound_as_default_arguments():
 
 
 # Settings a model's code reads from its module's globals: not through the step function but
-# through a forward, a helper method it calls on ``self``, or a helper function of this module.
-SCALE_FORWARD = SCALE_METHOD = SCALE_HELPER = 1.0
+# through a forward, a helper method it calls on ``self``, a helper function of this module, a
+# function attribute, or a plain Python object the forward calls.
+SCALE_FORWARD = SCALE_METHOD = SCALE_HELPER = SCALE_ATTRIBUTE = 1.0
 
 
 class _Config:
@@ -360,8 +361,25 @@ class _Config:
 _CONFIG = _Config()
 
 
+class _Scaler:
+    """Not a module: a helper object the forward calls, with a setting of its own."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, h):
+        return h * self.scale
+
+    def shift(self, h):
+        return h + (self.scale - 1.0)
+
+
 def _activation(h):
     return torch.tanh(h) * SCALE_HELPER
+
+
+def _attribute_activation(h):
+    return h * SCALE_ATTRIBUTE
 
 
 class _GlobalReader(nn.Module):
@@ -369,9 +387,12 @@ class _GlobalReader(nn.Module):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
         self.config = _CONFIG
+        self.scaler, self.shifter = _Scaler(), _Scaler()
+        self.act = _attribute_activation
 
     def forward(self, x, y):
-        logits = self._head(_activation(self.fc1(x))) * SCALE_FORWARD
+        h = self.shifter.shift(self.scaler(self.act(_activation(self.fc1(x)))))
+        logits = self._head(h) * SCALE_FORWARD
         return nn.functional.cross_entropy(logits, y)
 
     def _head(self, h):
@@ -385,22 +406,25 @@ _GLOBAL_CHANGES = {
     "global read by forward": ("SCALE_FORWARD", "global 'SCALE_FORWARD': 1.0 -> 2.0"),
     "global read by a method forward calls": ("SCALE_METHOD", "global 'SCALE_METHOD'"),
     "global read by a helper function": ("SCALE_HELPER", "global 'SCALE_HELPER'"),
+    "global read by a function attribute": ("SCALE_ATTRIBUTE", "global 'SCALE_ATTRIBUTE'"),
     "setting through self in a method's method": ("config", "_GlobalReader.config.scale: "
                                                             "1.0 -> 2.0"),
+    "setting of an object forward calls": ("scaler", "_Scaler.scale: 1.0 -> 2.0"),
+    "setting of an object whose method forward calls": ("shifter", "_Scaler.scale"),
     "helper function replaced": ("_activation", "global '_activation' is another object"),
 }
 
 
 @pytest.mark.parametrize("change", list(_GLOBAL_CHANGES))
-def test_globals_read_by_module_code_changed_between_calls(change):
-    """A setting a module's forward reads as a global, or through a method or a function of its
-    module that the forward calls, was built into the program and kept after it changed: a
+def test_settings_read_by_module_code_changed_between_calls(change):
+    """A setting a module's forward reads as a global, or that a method, a function or a Python
+    object the forward calls reads, was built into the program and kept after it changed: a
     silent wrong answer. Each is compared on every call now, as the step function's own are."""
     name, reason = _GLOBAL_CHANGES[change]
 
     def run(device, compiled):
-        global SCALE_FORWARD, SCALE_METHOD, SCALE_HELPER, _activation
-        SCALE_FORWARD = SCALE_METHOD = SCALE_HELPER = _CONFIG.scale = 1.0
+        global SCALE_FORWARD, SCALE_METHOD, SCALE_HELPER, SCALE_ATTRIBUTE, _activation
+        SCALE_FORWARD = SCALE_METHOD = SCALE_HELPER = SCALE_ATTRIBUTE = _CONFIG.scale = 1.0
         activation = _activation
         torch.manual_seed(0)
         model = _GlobalReader().to(device)
@@ -413,6 +437,8 @@ def test_globals_read_by_module_code_changed_between_calls(change):
                 if i == 2:
                     if name == "config":
                         _CONFIG.scale = 2.0
+                    elif name in ("scaler", "shifter"):
+                        getattr(model, name).scale = 2.0
                     elif name == "_activation":
                         _activation = lambda h: torch.sigmoid(h) * 2  # noqa: E731
                     else:

@@ -380,8 +380,9 @@ def find_roots(fn, extra=()) -> Roots:
 
     def method(f, m) -> None:
         """``f``, a function of ``type(m)`` the step runs on ``m`` (its forward, a helper method
-        the forward calls on ``self``): what it reads through ``self``, its globals, and the
-        methods it calls on ``self`` in turn."""
+        the forward calls on ``self``): what it reads through ``self``, its globals, the methods
+        it calls on ``self`` in turn, and the Python objects it calls through ``self``
+        (``self.rotary(q)``, ``self.scaler.apply(h)``, with their own settings)."""
         if (id(f), id(m)) in seen_methods:
             return
         seen_methods.add((id(f), id(m)))
@@ -391,10 +392,23 @@ def find_roots(fn, extra=()) -> Roots:
             reach_globals(f, f.__code__)
         this = f.__code__.co_varnames[0] if f.__code__.co_argcount else None
         for chain in read_paths(f.__code__).get(("local", this), ()):
-            if len(chain) == 1 and chain[0][0] == "attr":
-                helper = inspect.getattr_static(type(m), chain[0][1], None)
+            if chain[0][0] != "attr" or len(chain) > 2:
+                continue
+            helper = inspect.getattr_static(type(m), chain[0][1], None)
+            if len(chain) == 1 and isinstance(helper, types.FunctionType):
+                method(helper, m)
+                continue
+            obj = vars(m).get(chain[0][1])
+            if obj is None or isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.Tensor)):
+                continue
+            if len(chain) == 1:  # ``self.act = my_activation``, a callable object
+                if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)) \
+                        or (_has_attributes(obj) and callable(obj)):
+                    visit(obj)
+            elif chain[1][0] == "attr" and _has_attributes(obj):
+                helper = inspect.getattr_static(type(obj), chain[1][1], None)
                 if isinstance(helper, types.FunctionType):
-                    method(helper, m)
+                    visit(types.MethodType(helper, obj))
 
     visit(fn)
     seen_methods: set = set()
