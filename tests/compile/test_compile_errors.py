@@ -1,8 +1,11 @@
 """What xshard.compile refuses, with a message naming the op or the user's line; the state is left
 as it was, and the same function still runs on the lazy path."""
 
+import copy
+import random
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,6 +245,50 @@ def test_random_draws_on_the_cpu_are_refused(trained, draw):
 
     step = xshard.compile(device_noise)
     assert not torch.equal(step(x).cpu(), step(x).cpu())
+
+
+class _LayerDrop(torch.nn.Module):
+    """Drops its layer at random with a generator of its own (fairseq's LayerDrop idiom)."""
+
+    def __init__(self, layer, rng):
+        super().__init__()
+        self.layer, self.rng = layer, rng
+
+    def forward(self, x):
+        return x if self.rng.random() < 0.5 else self.layer(x)
+
+
+@pytest.mark.parametrize("source", ["random", "numpy", "numpy generator in a closure",
+                                    "generator of a module"])
+def test_python_and_numpy_random_draws_are_refused(trained, source):
+    """A choice drawn from Python's or NumPy's generators was built into the program: every
+    replay took the first call's branch, where eager draws anew (a silent wrong answer). Refused,
+    naming the generator, which is put back as it was."""
+    model, opt, x, y = trained
+    rng = np.random.default_rng(0)
+    drop = _LayerDrop(model.fc1, random.Random(0))
+
+    def step(x):
+        if source == "random":
+            keep = random.random() < 0.5
+        elif source == "numpy":
+            keep = np.random.rand() < 0.5
+        elif source == "numpy generator in a closure":
+            keep = rng.random() < 0.5
+        else:
+            return drop(x)
+        return model.fc1(x) if keep else x
+
+    generator = {"random": random.random.__self__, "numpy": np.random.rand.__self__,
+                 "numpy generator in a closure": rng, "generator of a module": drop.rng}[source]
+    before = copy.deepcopy(generator)
+    named = {"random": "Python's random module", "numpy": "NumPy's global generator",
+             "numpy generator in a closure": "the generator closure variable 'rng'",
+             "generator of a module": "the generator _LayerDrop.rng"}[source]
+    with pytest.raises(StateError, match=rf"draws random numbers from {named}.*on the device"):
+        xshard.compile(step)(x)
+    assert generator.random() == before.random()  # put back as it was
+    step(x)  # the lazy path still runs it
 
 
 def test_number_used_as_a_number(trained):

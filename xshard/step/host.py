@@ -20,8 +20,10 @@ constants of its code and need no guard.
 
 from __future__ import annotations
 
+import random
 import weakref
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -111,3 +113,69 @@ def changed(tensors) -> str | None:
         if not _same(base, stamp):
             return f"a CPU tensor of shape {list(shape)} the step reads was written"
     return None
+
+
+# [Note: Python and NumPy random numbers in a step]
+# A step that draws from Python's or NumPy's generators (``random.random() < p`` to drop a layer,
+# ``np.random.randint`` for a crop) draws once, when it is recorded: the numbers become constants
+# of the program, and every replay repeats the first call's choice where eager draws anew. So the
+# recording compares the states of the generators the step can reach (the global ones of
+# ``random`` and ``numpy.random``, and each ``random.Random``, ``np.random.Generator`` or
+# ``RandomState`` among the objects it reaches) before and after, and refuses a step that moved
+# one, putting the generator back. Device draws (``torch.rand(..., device=x.device)``) are the
+# replacement: a compiled step draws them anew on every call.
+
+_GENERATORS = (random.Random, np.random.Generator, np.random.RandomState)
+
+
+def _generator_state(g):
+    if isinstance(g, random.Random):
+        return g.getstate()
+    if isinstance(g, np.random.Generator):
+        return g.bit_generator.state
+    return g.get_state(legacy=False)
+
+
+def _set_generator_state(g, state) -> None:
+    if isinstance(g, random.Random):
+        g.setstate(state)
+    elif isinstance(g, np.random.Generator):
+        g.bit_generator.state = state
+    else:
+        g.set_state(state)
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+class Generators:
+    """The Python and NumPy random generators a step can draw from, and their states before it
+    (see [Note: Python and NumPy random numbers in a step])."""
+
+    def __init__(self, reached):
+        """``reached``: ``(name, object)`` pairs of what the step reaches; the generators among
+        them are watched with the global ones."""
+        watched = [("Python's random module (random.random(), random.choice(...))",
+                    random.random.__self__),
+                   ("NumPy's global generator (np.random.rand(...), np.random.randint(...))",
+                    np.random.rand.__self__)]
+        seen = {id(g) for _, g in watched}
+        for name, obj in reached:
+            if isinstance(obj, _GENERATORS) and id(obj) not in seen:
+                seen.add(id(obj))
+                watched.append((f"the generator {name}", obj))
+        self.states = [(name, g, _generator_state(g)) for name, g in watched]
+
+    def moved(self) -> list[str]:
+        """The generators the step drew from (each put back as it was), by name."""
+        moved = []
+        for name, g, state in self.states:
+            if not _same_state(_generator_state(g), state):
+                _set_generator_state(g, state)
+                moved.append(name)
+        return moved

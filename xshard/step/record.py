@@ -189,6 +189,7 @@ class Recording:
             before = [container.get(key, None) for container, key, _ in settings]
             host_reads = host.HostReads()
             cpu_stream = torch.default_generator.get_state()
+            generators = host.Generators(self._reached(roots, program.flag_modules))
             with optim_support.graph_paths(roots.optimizers) as stepping, \
                     capture.capturing(_Owner(compiled, bool(numbers), rates, stepping)), \
                     host_reads:
@@ -198,7 +199,7 @@ class Recording:
                 self._refuse_written_views(leaves, wrapped)
             self._build_in_rates(rates, program.groups)
             program.draws = self._draws(stream)  # refuses a step seeding the streams first
-            self._refuse_host_draws(cpu_stream)
+            self._refuse_host_draws(cpu_stream, generators)
             for rate in rates:
                 rate.restore()
             # The state that exists now (the first step creates the optimizer's).
@@ -270,10 +271,28 @@ class Recording:
                     f"cannot read. Run the steps that accumulate under no_sync, and the first one "
                     f"after it, without xshard.compile.")
 
-    def _refuse_host_draws(self, cpu_stream) -> None:
+    def _reached(self, roots, modules) -> list:
+        """``(name, object)``: what the step reaches besides its state (for ``host.Generators``)."""
+        reached = [(name, container.get(key, None)) for container, key, name in roots.bindings]
+        reached += [(f"{type(m).__name__}.{k}", v) for m in modules for k, v in vars(m).items()]
+        reached += [(self.args.name(i), leaf) for i, leaf in enumerate(self.args.leaves)]
+        return reached
+
+    def _refuse_host_draws(self, cpu_stream, generators) -> None:
         """Numbers drawn from the CPU generator inside the step (``torch.randn(4).to(dev)``,
-        ``torch.randperm(n)``) would be constants of the program: every replay would reuse the
-        first call's. Refused, the generator put back (the lazy path then draws them once)."""
+        ``torch.randperm(n)``), or from Python's or NumPy's (see [Note: Python and NumPy random
+        numbers in a step] in host.py), would be constants of the program: every replay would
+        reuse the first call's. Refused, the generators put back (the lazy path then draws them
+        once)."""
+        moved = generators.moved()
+        if moved:
+            raise StateError(
+                f"xshard.compile({self.compiled.name}): the step draws random numbers from "
+                f"{' and '.join(moved)}; a replay runs none of the step's Python, so every call "
+                f"would repeat the first call's numbers (the same choice each step). Draw them "
+                f"on the device (torch.rand((), device=x.device) < p, then torch.where, or a "
+                f"mask), where each call draws anew, or draw them outside the step and pass them "
+                f"as arguments.")
         if torch.equal(torch.default_generator.get_state(), cpu_stream):
             return
         torch.default_generator.set_state(cpu_stream)
