@@ -45,6 +45,8 @@ def _run(device, compiled, case):
     G_MODEL, G_OPT = model, opt
     act = torch.tanh
     hook = model.fc1.register_forward_hook(lambda m, args, out: out * 2)
+    if case == "gradient hook removed":
+        grad_hook = model.fc2.weight.register_hook(lambda g: g * 3)
 
     def closure_step(x, y):
         return train_update(model, opt, x, y)
@@ -81,6 +83,12 @@ def _run(device, compiled, case):
                 hook = model.fc1.register_forward_hook(lambda m, args, out: out * 3)
             elif case == "hook added":  # where the step was recorded with none
                 model.fc2.register_forward_hook(lambda m, args, out: out * 2)
+            elif case == "gradient hook registered":
+                model.fc1.weight.register_hook(lambda g: g * 2)
+            elif case == "post-accumulate-grad hook registered":
+                model.fc1.bias.register_post_accumulate_grad_hook(_halve_grad)
+            elif case == "gradient hook removed":
+                grad_hook.remove()
         losses.append(step(x.to(device), y.to(device)).item())
     trained = {"global model": G_MODEL, "trainer attribute": trainer.model}.get(case, model)
     return losses, [p.detach().cpu() for p in trained.parameters()], step
@@ -96,7 +104,15 @@ _CASES = {
     "parameter object": "model.fc2.bias is another tensor object",
     "hook replaced": "forward hooks of the Linear, entry",
     "hook added": "number of forward hooks of the Linear: 0 -> 1",
+    "gradient hook registered": "gradient hooks of model.fc1.weight: none -> 1",
+    "post-accumulate-grad hook registered": "post-accumulate-grad hooks of model.fc1.bias: "
+                                            "none -> 1",
+    "gradient hook removed": "number of gradient hooks of model.fc2.weight: 1 -> 0",
 }
+
+
+def _halve_grad(p):
+    p.grad.mul_(0.5)
 
 
 @pytest.mark.parametrize("case", list(_CASES))

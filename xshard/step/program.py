@@ -58,6 +58,9 @@ from xshard.step import packing
 from xshard.step import state as st
 
 _DATA = ir.DATA
+# A tensor's hooks on its gradient: None until one is registered, then a dict (see _hook_difference).
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
+_HOOK_KINDS = ("gradient hooks", "post-accumulate-grad hooks")
 
 
 # -- the form of what a slot holds ----------------------------------------------------------------
@@ -277,6 +280,9 @@ class Program:
         self.held: list = []  # the entries (a dict's values view, or the list itself)
         self.held_values: list = []  # all of them, flat
         self.held_names: list = []  # (name, how many entries it had)
+        # The parameters, and their gradient hook dicts (``_TENSOR_HOOKS``) when recorded.
+        self.hook_owners: list = []
+        self.hook_values: list = []
         # (weak reference, version, shape) of each storage holding data the program built in
         self.constant_storages: list = []
         # The same for the CPU tensors the step read (see [Note: host tensors a step reads]).
@@ -354,6 +360,8 @@ class Program:
         if self.held and not _same_objects(list(chain.from_iterable(self.held)),
                                            self.held_values):
             return self._held_difference()
+        if self.hook_owners and list(map(_TENSOR_HOOKS, self.hook_owners)) != self.hook_values:
+            return self._hook_difference()
         for ref, written, shape in self.constant_storages:
             storage = ref()
             if storage is None or api.storage_version(storage) != written:
@@ -485,6 +493,15 @@ class Program:
             key = list(entries.mapping)[k] if hasattr(entries, "mapping") else k
             return f"{name}, entry {key!r}: {_short(was[k])} -> {_short(now[k])}"
         return "held objects"
+
+    def _hook_difference(self) -> str:
+        names = {id(p): self.slots[i].name for i, p in self.parameters.items()}
+        for p, was in zip(self.hook_owners, self.hook_values):
+            for kind, a, b in zip(_HOOK_KINDS, was, _TENSOR_HOOKS(p)):
+                if a is not b:
+                    return f"{kind} of {names[id(p)]}: {'none' if a is None else 'some'} -> " \
+                           f"{'none' if b is None else len(b)}"
+        return "gradient hooks"
 
     def _setting_difference(self, now) -> str | None:
         for v, was, name in zip(now, self.setting_values, self.setting_names):
@@ -810,6 +827,15 @@ class Program:
                 self.adopt(i, s.get())
         self.parameters = {i: self.expect[i] for i, s in enumerate(self.slots)
                            if s.key[0] in ("param", "group_param") and self.expect[i] is not None}
+        # Hooks on a parameter's gradient (``p.register_hook``, post-accumulate-grad hooks) ran
+        # while the step was recorded: one registered or removed since is another program.
+        self.hook_owners = list({id(p): p for p in self.parameters.values()}.values())
+        self.hook_values = list(map(_TENSOR_HOOKS, self.hook_owners))
+        names = {id(p): self.slots[i].name for i, p in self.parameters.items()}
+        for p, hooks in zip(self.hook_owners, self.hook_values):
+            for kind, entries in zip(_HOOK_KINDS, hooks):
+                if entries is not None:
+                    self.hold(entries, f"{kind} of {names[id(p)]}")
         self.unsteady = [i for i in self.guarded if spec_of(self.expect[i]) != self.specs[i]]
         self.requires_grad = [s is not None and s[0] == "tensor" and s[3] for s in self.specs]
         self.arg_state = self._arg_state()
