@@ -2,6 +2,7 @@
 rate changes included), again for a new input shape or a new program, with a log line saying what
 changed; and no Python of the step runs on a replay."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -213,6 +214,37 @@ def test_static_argument_records_per_value():
     torch.testing.assert_close(forward(x, activation="tanh").cpu(), torch.tanh(model.fc1(x)).cpu())
     forward(x, activation="relu")
     assert forward.traces == 2
+
+
+@dataclasses.dataclass
+class _LossConfig:
+    scale: float = 1.0
+    activation: str = "tanh"
+
+
+@pytest.mark.parametrize("how", ["argument", "static_argnames"])
+def test_a_config_object_changed_in_place_between_calls(how):
+    """A config object passed to the step and changed in place compared equal to itself, so the
+    replay kept the first call's settings (a silent wrong answer); its settings are compared by
+    value now. An unchanged one records once."""
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+    cfg = _LossConfig()
+
+    def forward(x, cfg):
+        return getattr(torch, cfg.activation)(model.fc1(x)) * cfg.scale
+
+    step = xshard.compile(forward, **({"static_argnames": "cfg"} if how != "argument" else {}))
+    x = torch.randn(4, 8).to(DEV)
+    for _ in range(3):
+        torch.testing.assert_close(step(x, cfg=cfg).cpu(), forward(x, cfg).cpu())
+    assert step.traces == 1
+    for change in ({"scale": 3.0}, {"activation": "sigmoid"}, {"scale": 1.0}):
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        torch.testing.assert_close(step(x, cfg=cfg).cpu(), forward(x, cfg).cpu())
+    assert step.traces == 4 and "('scale', 3.0)" in step.retrace_reasons[0], \
+        step.retrace_reasons
 
 
 def test_a_step_recorded_again_and_again_warns_once_with_the_cause():

@@ -3,9 +3,10 @@
 A call flattens its arguments (``Arguments``): device tensors are inputs (compared by shape, dtype,
 sharding and ``requires_grad``), host tensors are moved to the device first, Python ``int`` and
 ``float`` become inputs too (0-d device tensors inside the step), modules and optimizers are state
-roots, anything else is static (compared by value). Programs are filed under that key; the last
-one used is tried first, then the others recorded for the key. When none fits, the step is
-recorded again (see record.py), and a log line (logger ``xshard``, INFO) says what changed.
+roots, anything else is static (compared by value, and an object's settings with it: see
+``_settings_of``). Programs are filed under that key; the last one used is tried first, then the
+others recorded for the key. When none fits, the step is recorded again (see record.py), and a
+log line (logger ``xshard``, INFO) says what changed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from xshard.core import api, capture
 from xshard.core.device import device
+from xshard.step import state as st
 from xshard.step.errors import CompileError, user_stacklevel
 from xshard.step.program import Exact, Program, difference, spec_of
 from xshard.step.record import Recording
@@ -41,6 +43,19 @@ def _aliases(tensors) -> tuple:
     return tuple(first.setdefault(id(c), k) for k, c in enumerate(cells))
 
 
+def _settings_of(obj):
+    """The Python settings an object passed as an argument holds (``cfg.scale`` of a dataclass or
+    a namespace), compared by value on every call: the object itself is compared by its own
+    ``==``, which for one changed in place compares it with itself. None for other objects."""
+    if not st.has_attributes(obj) or isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+        return None
+    try:
+        items = vars(obj).items()
+    except TypeError:  # __slots__ only
+        return None
+    return Exact(tuple((k, v) for k, v in items if st.is_setting(v)))
+
+
 class Arguments:
     """One call's arguments, flattened and classified, with the key programs are filed under."""
 
@@ -58,8 +73,10 @@ class Arguments:
             return
         static, static_names = compiled.static_argnums, compiled.static_argnames
         if static or static_names:
-            statics = tuple(Exact(args[i]) for i in sorted(static) if i < len(args)) + tuple(
-                (k, Exact(kwargs[k])) for k in sorted(static_names) if k in kwargs)
+            statics = tuple((Exact(args[i]), _settings_of(args[i])) for i in sorted(static)
+                            if i < len(args)) + tuple(
+                (k, Exact(kwargs[k]), _settings_of(kwargs[k])) for k in sorted(static_names)
+                if k in kwargs)
             args = tuple(None if i in static else a for i, a in enumerate(args))
             kwargs = {k: (None if k in static_names else v) for k, v in kwargs.items()}
         else:
@@ -87,7 +104,7 @@ class Arguments:
                 parts.append((_ROOT, id(leaf)))
             else:
                 kinds.append(_STATIC)
-                parts.append((_STATIC, Exact(leaf)))
+                parts.append((_STATIC, Exact(leaf), _settings_of(leaf)))
         if pending:
             api.sync()
         tensors = [leaves[i] for i, k in enumerate(kinds) if k is _TENSOR]

@@ -254,7 +254,7 @@ class Roots:
                     self.tensors.append((item, where))
                 else:
                     self.entries.append((obj, key, where))
-        elif depth == 0 and _has_attributes(obj):
+        elif depth == 0 and has_attributes(obj):
             # An object the step is a method of (a trainer): its attributes, one level down.
             self._seen.add(id(obj))
             for name, item in list(vars(obj).items()):
@@ -278,7 +278,9 @@ class Roots:
             self.bindings.append((container, key, name))
 
 
-def _has_attributes(obj) -> bool:
+def has_attributes(obj) -> bool:
+    """Whether ``obj`` is an object with attributes of its own (not a class, module, function or
+    tensor)."""
     return hasattr(obj, "__dict__") and not isinstance(
         obj, (type, types.ModuleType, types.FunctionType, torch.Tensor))
 
@@ -295,7 +297,7 @@ def find_roots(fn, extra=()) -> Roots:
 
     def attributes(obj, code) -> None:
         # What the code names of the object it is a method of (``self.model``, ``self.scale``).
-        if code is None or not _has_attributes(obj) or isinstance(
+        if code is None or not has_attributes(obj) or isinstance(
                 obj, (nn.Module, torch.optim.Optimizer)):
             return
         d = vars(obj)
@@ -403,9 +405,9 @@ def find_roots(fn, extra=()) -> Roots:
                 continue
             if len(chain) == 1:  # ``self.act = my_activation``, a callable object
                 if isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)) \
-                        or (_has_attributes(obj) and callable(obj)):
+                        or (has_attributes(obj) and callable(obj)):
                     visit(obj)
-            elif chain[1][0] == "attr" and _has_attributes(obj):
+            elif chain[1][0] == "attr" and has_attributes(obj):
                 helper = inspect.getattr_static(type(obj), chain[1][1], None)
                 if isinstance(helper, types.FunctionType):
                     visit(types.MethodType(helper, obj))
@@ -529,7 +531,7 @@ def _reach_paths(roots: Roots, f, bound, visit) -> None:
         for chain in chains:
             if len(chain) == 1 and chain[0][0] == "attr":
                 obj = root()
-                if visit is not None and kind != "local" and _has_attributes(obj) and \
+                if visit is not None and kind != "local" and has_attributes(obj) and \
                         not isinstance(obj, (nn.Module, torch.optim.Optimizer)):
                     method = inspect.getattr_static(type(obj), chain[0][1], None)
                     if isinstance(method, types.FunctionType):
