@@ -58,7 +58,7 @@ from xshard.step import packing
 from xshard.step import state as st
 
 _DATA = ir.DATA
-# A tensor's hooks on its gradient: None until one is registered, then a dict (see _hook_difference).
+# A tensor's hooks on its gradient: None until one is registered, then a dict.
 _TENSOR_HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
 _HOOK_KINDS = ("gradient hooks", "post-accumulate-grad hooks")
 
