@@ -601,8 +601,6 @@ def save(data, file_or_path, master_only: bool = True, global_master: bool = Fal
 
 # -- random numbers --------------------------------------------------------------------------------
 
-_MASK = (1 << 64) - 1
-
 
 def get_rng_state(device=None) -> int:
     """The device random stream's state as one int: its seed, plus its position (random ops drawn
@@ -622,7 +620,7 @@ def set_rng_state(seed: int, device=None) -> None:
     _check_device(device)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"set_rng_state needs a non-negative int seed, got {seed!r}.")
-    state = struct.pack("<QQ", seed & _MASK, (seed >> 64) & _MASK)
+    state = struct.pack("<QQ", seed & rng.MASK, (seed >> 64) & rng.MASK)
     rng.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 

@@ -26,19 +26,19 @@ from xshard.core import distributed, ir
 
 _KEY_SHAPE = (2,)
 _STATE = {"seed": None, "counter": 0}
-_MASK = (1 << 64) - 1
+MASK = (1 << 64) - 1  # seed and counter are uint64s: the counter wraps
 
 
 def _ensure_seeded() -> None:
     if _STATE["seed"] is None:
         agreed = distributed.agreed_seed()  # multi-process: process 0's, the same everywhere
-        _STATE["seed"] = (torch.initial_seed() if agreed is None else agreed) & _MASK
+        _STATE["seed"] = (torch.initial_seed() if agreed is None else agreed) & MASK
         _STATE["counter"] = 0
 
 
 def manual_seed(seed: int) -> None:
     """Resets the device stream to ``seed`` (also called by ``torch.manual_seed``)."""
-    _STATE["seed"] = int(seed) & _MASK
+    _STATE["seed"] = int(seed) & MASK
     _STATE["counter"] = 0
 
 
@@ -46,7 +46,7 @@ def next_key() -> ir.Node:
     """Key data (uint32[2]) for one random op, as a node; advances the stream."""
     _ensure_seeded()
     counter = _STATE["counter"]
-    _STATE["counter"] = (counter + 1) & _MASK  # a uint64: it wraps
+    _STATE["counter"] = (counter + 1) & MASK  # a uint64: it wraps
     seed = ir.scalar_node(_STATE["seed"], torch.uint64)
     count = ir.scalar_node(counter, torch.uint64)
     return ir.Node(ir.RNG_KEY, (seed, count), ((ir.slot(0), ir.slot(1)), ()), _KEY_SHAPE,
@@ -65,19 +65,19 @@ def advance(n: int) -> tuple[int, int]:
     if _STATE["seed"] is None:
         _ensure_seeded()
     counter = _STATE["counter"]
-    _STATE["counter"] = (counter + n) & _MASK
+    _STATE["counter"] = (counter + n) & MASK
     return _STATE["seed"], counter
 
 
 def set_position(seed: int, counter: int) -> None:
     """Sets the stream's state to ``(seed, counter)`` (as ``position`` returns it)."""
-    _STATE["seed"], _STATE["counter"] = int(seed) & _MASK, int(counter) & _MASK
+    _STATE["seed"], _STATE["counter"] = int(seed) & MASK, int(counter) & MASK
 
 
 def get_state() -> torch.Tensor:
     """The stream's state as a CPU ``uint8`` tensor of 16 bytes (seed and counter)."""
     _ensure_seeded()
-    raw = struct.pack("<QQ", _STATE["seed"], _STATE["counter"] & _MASK)
+    raw = struct.pack("<QQ", _STATE["seed"], _STATE["counter"] & MASK)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 

@@ -61,7 +61,7 @@ import weakref
 
 import numpy as np
 
-from xshard.core import compiler, runtime, trace
+from xshard.core import compiler, rng, runtime, trace
 
 # A replay executable passing fewer arrays less than this than the plain one is not worth a second
 # compilation (a call costs about 12 us per array of 8 shards on CPU; see [Note: packed state]).
@@ -69,7 +69,6 @@ MIN_PACKED = 16
 # Arrays with larger blocks per device stay unpacked: packing writes each member once more (XLA
 # does not fuse the concatenation into the update), which costs more than it saves above this.
 MAX_PACKED_BYTES = 16 * 1024
-_MASK = (1 << 64) - 1  # the random stream's counter is a uint64
 
 
 class Member:
@@ -247,7 +246,7 @@ class Packed:
     @staticmethod
     def stream_array(seed: int, counter: int):
         """The random stream's position as the replay executable's last argument."""
-        return np.array([seed, counter & _MASK], np.uint64)
+        return np.array([seed, counter & rng.MASK], np.uint64)
 
     def compile(self, inner, options: dict, packs, values, stream, donate, compiled,
                 name: str) -> None:
@@ -273,7 +272,7 @@ class Packed:
             if numbers:
                 seed, counter = args[-1][0], args[-1][1]
                 for p, offset, dtype in numbers:  # uint64 sums wrap as the host's mask does
-                    x = seed if offset is None else counter + np.uint64(offset & _MASK)
+                    x = seed if offset is None else counter + np.uint64(offset & rng.MASK)
                     inputs[p] = x.astype(dtype)
             outs = inner(*inputs)
             joined = tuple(layout.join([outs[m.output] for m in layout.members])

@@ -494,8 +494,11 @@ class Program:
             return f"{name}, entry {key!r}: {_short(was[k])} -> {_short(now[k])}"
         return "held objects"
 
+    def _parameter_names(self) -> dict:
+        return {id(p): self.slots[i].name for i, p in self.parameters.items()}
+
     def _hook_difference(self) -> str:
-        names = {id(p): self.slots[i].name for i, p in self.parameters.items()}
+        names = self._parameter_names()
         for p, was in zip(self.hook_owners, self.hook_values):
             for kind, a, b in zip(_HOOK_KINDS, was, _TENSOR_HOOKS(p)):
                 if a is not b:
@@ -658,7 +661,7 @@ class Program:
         seed_array = self.seed_array
         for position, offset, dtype in self.random_inputs:
             values[position] = seed_array if offset is None else \
-                np.asarray((counter + offset) & _MASK, dtype)
+                np.asarray((counter + offset) & rng.MASK, dtype)
 
     def execute(self, values: list, graph, scalars) -> tuple:
         """Calls the executable on ``values`` (consuming what it donates), as every execution is:
@@ -695,7 +698,7 @@ class Program:
         for position, (kind, a, b) in enumerate(self.inputs):
             if kind == "random":
                 seed, counter = self.position
-                out.append(seed if a is None else (counter + a) & _MASK)
+                out.append(seed if a is None else (counter + a) & rng.MASK)
             elif kind == "number":
                 out.append(values[position].item())
             elif kind == "lr":
@@ -831,7 +834,7 @@ class Program:
         # while the step was recorded: one registered or removed since is another program.
         self.hook_owners = list({id(p): p for p in self.parameters.values()}.values())
         self.hook_values = list(map(_TENSOR_HOOKS, self.hook_owners))
-        names = {id(p): self.slots[i].name for i, p in self.parameters.items()}
+        names = self._parameter_names()
         for p, hooks in zip(self.hook_owners, self.hook_values):
             for kind, entries in zip(_HOOK_KINDS, hooks):
                 if entries is not None:
@@ -872,7 +875,6 @@ def autocast_state() -> tuple:
 
 _UNSTEADY = object()  # an object no slot holds
 _MISSING = object()  # a setting deleted since the step was recorded
-_MASK = (1 << 64) - 1  # the counter is a uint64
 
 
 def _group_difference(opt, settings) -> str | None:

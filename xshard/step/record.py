@@ -428,7 +428,7 @@ class Recording:
                 f"(torch.manual_seed or set_rng_state inside the compiled function); Python in a "
                 f"compiled step runs only when it is recorded, so a replay would not seed it. "
                 f"Seed outside the step, before calling it.")
-        return (counter - stream[1]) % (1 << 64)  # the uint64 counter wraps
+        return (counter - stream[1]) & rng.MASK  # the uint64 counter wraps
 
     def _undo(self, slots, entry, wrapped, rates, saved_state, groups):
         """After a failed recording: the state as it was at entry; half-done work never runs."""
