@@ -932,3 +932,13 @@ def test_16_bit_attention_keeps_scores_in_float32(dtype):
                 F.scaled_dot_product_attention(q, k, v, attn_mask=mask)]
 
     _nearly_equal_eager(program, q, k, v, mask)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 3.0, float("inf")])
+def test_cdist_and_pdist_of_nan_as_in_pytorch(p):
+    """ATen's CPU cdist passes over a NaN difference for p=inf (a max from 0) and keeps it for
+    every other p, p=0 included; its pdist keeps it for every p."""
+    x = torch.tensor([[float("nan"), 1.0, 2.0], [3.0, float("nan"), -1.0], [0.5, 1.5, -2.0],
+                      [float("nan")] * 3])
+    y = torch.tensor([[0.0, 0.0, 0.0], [1.0, -1.0, 2.0]])
+    check_eager(lambda x, y: (torch.cdist(x, y, p=p), torch.pdist(x, p=p)), x, y)

@@ -98,12 +98,16 @@ def _addbmm(bias, a, b, beta=1, alpha=1):
 @rule(aten._cdist_forward)
 def _cdist_forward(x1, x2, p, compute_mode=None):
     diff = jnp.abs(x1[..., :, None, :] - x2[..., None, :, :])
+    if p == float("inf"):
+        # ATen's CPU kernel reduces with a max that passes over NaN, from 0 (its pdist keeps the
+        # NaN): a row holding a NaN gets the max of its other differences.
+        return jnp.max(jnp.where(jnp.isnan(diff), 0, diff), axis=-1, initial=0)
     return _p_norm_last(diff, p)
 
 
 def _p_norm_last(a, p):
-    if p == 0:
-        return jnp.sum((a != 0).astype(a.dtype), axis=-1)
+    if p == 0:  # the count of differences not 0; NaN where one is NaN, as in ATen
+        return jnp.sum(jnp.where(jnp.isnan(a), a, (a != 0).astype(a.dtype)), axis=-1)
     if p == float("inf"):
         return keep_nan(jnp.max(a, axis=-1, initial=0), a, -1)
     if p == 1:
