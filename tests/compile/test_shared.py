@@ -185,6 +185,44 @@ def test_returned_view_of_state_shares_its_storage():
     torch.testing.assert_close(dev[0][0], dev[-1][0], rtol=0, atol=0)  # one storage
 
 
+def test_returned_results_that_view_one_another_share_a_storage():
+    """``return h, h[0], loss, loss.detach()``: as in eager, each replay's results view one
+    storage, so a write through one is seen through the others, and a tensor returned twice is
+    one object (a replay returned separate tensors)."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train_step(x, y):
+            h = model.fc1(x)
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            d = loss.detach()
+            return {"h": h.detach(), "row": h.detach()[1], "col": h.detach()[:, 2:4].t(),
+                    "loss": d, "again": d, "same": d.view(1)}
+
+        step = xshard.compile(train_step) if compiled else train_step
+        got = []
+        for x, y in make_batches("mlp", 4):
+            out = step(x.to(device), y.to(device))
+            out["row"].mul_(2)  # seen through h and col
+            out["col"][0].add_(1)  # seen through h (and row where they meet)
+            out["same"].add_(3)  # seen through loss and again
+            assert out["again"] is out["loss"]
+            got.append({k: v.cpu() for k, v in out.items()})
+        return got, step
+
+    cpu, _ = run("cpu", False)
+    dev, step = run(DEV, True)
+    assert step.traces == 1
+    for a, b in zip(dev, cpu):
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
 def test_returned_result_also_stored_in_state_is_not_consumed():
     """A running total kept in a buffer and returned: the next call reads the buffer (and
     consumes its data), which must not consume the tensor returned before."""

@@ -751,13 +751,24 @@ class Program:
             container[key] = value
         treedef, returns = self.returns
         out = []
+        bases = None  # output position -> the tensor holding it, for returns sharing a storage
         for kind, a, b in returns:
             if kind == "new":
-                out.append(api.new_tensor(api.data_node(results[a], *b)))
+                shape, dtype, view = b
+                if view is None:
+                    out.append(api.new_tensor(api.data_node(results[a], shape, dtype)))
+                    continue
+                bases = bases or {}
+                base = bases.get(a)
+                if base is None:
+                    base = bases[a] = api.new_tensor(api.data_node(results[a], shape, dtype))
+                out.append(api.view_of(base, view))
             elif kind == "slot":
                 out.append(slots[a].get())
             elif kind == "view":
                 out.append(api.view_of(slots[a].get(), b))
+            elif kind == "same":
+                out.append(out[a])
             else:
                 out.append(a)
         return pytree.tree_unflatten(out, treedef)

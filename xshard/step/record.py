@@ -39,6 +39,7 @@ position, so a compiled step and the lazy path draw the same masks, every call d
 
 from __future__ import annotations
 
+from collections import Counter
 import warnings
 import weakref
 
@@ -518,20 +519,8 @@ class Recording:
                                     api.annotation(obj)))
         leaves_out, out_def = pytree.tree_flatten(out)
         exit_slot = {id(o): i for i, o in enumerate(exits) if api.is_device_tensor(o)}
-        returns = []
-        for leaf in leaves_out:
-            if id(leaf) in exit_slot:
-                returns.append(("slot", exit_slot[id(leaf)], None))
-            elif api.is_device_tensor(leaf) and id(api.storage(leaf)) in exit_storage:
-                returns.append(("view", exit_storage[id(api.storage(leaf))], api.view_spec(leaf)))
-            elif api.is_device_tensor(leaf):
-                accounted.add(id(api.storage(leaf)))
-                self.returned.append(weakref.ref(api.storage(leaf)))
-                pairs.append((api.value(leaf), None))
-                returns.append(("new", len(pairs) - 1, (tuple(leaf.shape), leaf.dtype)))
-            else:
-                returns.append(("value", leaf, None))
-        del out, leaves_out, leaf
+        returns = self._returns(leaves_out, exit_slot, exit_storage, pairs, accounted)
+        del out, leaves_out
 
         # Pending storages that no slot or result holds: values the step kept elsewhere (a list,
         # a module attribute that is not a buffer). A replay cannot update them, so they are left
@@ -640,8 +629,51 @@ class Recording:
         # What bounds the calls in flight: the tensors it returns (see [Note: a bounded dispatch
         # queue] in xshard.core.compiler), never state it donates.
         program.handles = compiler.small_results(
-            [(a, b) for k, a, b in program.returns[1] if k == "new"])
+            [(a, b[:2]) for k, a, b in program.returns[1] if k == "new"])
         return values, graph
+
+    def _returns(self, leaves, exit_slot, exit_storage, pairs, accounted) -> list:
+        """Per leaf of the step's result, where a replay finds it: ``("slot", slot, None)``,
+        ``("view", slot, view)`` of a slot's storage, ``("new", output, (shape, dtype, view))``,
+        ``("same", earlier leaf, None)`` or ``("value", leaf, None)``. New results sharing a
+        storage (``h, h[0]``, ``loss, loss.detach()``) are views of one output holding the
+        storage's data, and a tensor returned twice is one object, as in eager. Appends the new
+        outputs to ``pairs``."""
+        distinct = {id(leaf): id(api.storage(leaf)) for leaf in leaves
+                    if api.is_device_tensor(leaf)}
+        returned_storages = Counter(distinct.values())
+        shared_output = {}  # id(storage) -> output position
+        first = {}  # id(leaf) -> its place in the results
+        returns = []
+        for leaf in leaves:
+            if id(leaf) in first:
+                returns.append(("same", first[id(leaf)], None))
+                continue
+            if id(leaf) in distinct:
+                first[id(leaf)] = len(returns)
+            if id(leaf) in exit_slot:
+                returns.append(("slot", exit_slot[id(leaf)], None))
+            elif api.is_device_tensor(leaf) and id(api.storage(leaf)) in exit_storage:
+                returns.append(("view", exit_storage[id(api.storage(leaf))], api.view_spec(leaf)))
+            elif api.is_device_tensor(leaf):
+                storage = api.storage(leaf)
+                if returned_storages[id(storage)] == 1:
+                    accounted.add(id(storage))
+                    self.returned.append(weakref.ref(storage))
+                    pairs.append((api.value(leaf), None))
+                    returns.append(("new", len(pairs) - 1, (tuple(leaf.shape), leaf.dtype, None)))
+                    continue
+                if id(storage) not in shared_output:
+                    accounted.add(id(storage))
+                    self.returned.append(weakref.ref(storage))
+                    pairs.append((api.storage_value(storage), None))
+                    shared_output[id(storage)] = len(pairs) - 1
+                whole = pairs[shared_output[id(storage)]][0]
+                returns.append(("new", shared_output[id(storage)],
+                                (whole.shape, whole.dtype, api.view_spec(leaf))))
+            else:
+                returns.append(("value", leaf, None))
+        return returns
 
     def _first_run(self, program: Program, planned, exits, wrapped):
         """Runs the program for the recording call and stores its results."""
