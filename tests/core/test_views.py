@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import xshard
+import xshard.spmd as xs
 from core_testing import DEV, assert_same, check, counting
 
 
@@ -233,6 +234,61 @@ CASES = [slice_write, slice_with_step, select_write, narrow_write, view_reshape_
          inplace_ops_on_base, write_base_seen_by_view, swap_rows, as_strided_write,
          as_strided_of_views, expand_read,
          unfold_read, out_argument]
+
+
+def test_writes_through_complex_views():
+    """``.real``, ``.imag``, ``view_as_real``, ``view_as_complex`` and ``conj`` alias their input,
+    as in eager: each was a copy, so a write through it was lost."""
+    def program(b):
+        c = torch.complex(b, -b)
+        r = torch.stack([b, -b], -1)
+        z = torch.view_as_complex(r)
+        c.imag.mul_(3)
+        c.real[0] = -5
+        torch.view_as_real(c)[1:, 1].add_(7)
+        z.mul_(2)
+        r[0].fill_(9)  # seen through z
+        z.real.add_(1)  # a view of a view: seen through r
+        v = c.conj()  # a view holding the conjugate
+        v.mul_(2)
+        v[0] = 1 + 1j
+        c.conj().imag.add_(5)
+        return (c, c.real, c.imag, r, z, torch.view_as_real(z), v.resolve_conj(),
+                c.conj().conj(), c.conj().real)
+
+    check(program, torch.arange(4.0))
+
+
+def test_rotary_embedding_through_complex_views_sharded():
+    """LLaMA's rotary embedding: pairs of features viewed as complex numbers, rotated, viewed back;
+    with its gradient, over a sharded batch."""
+    mesh = xs.Mesh(list(range(8)), (4, 2), ("data", "model"))
+
+    def program(x, angles, sharded):
+        x = x.clone().requires_grad_()
+        if sharded:
+            xs.mark_sharding(x, mesh, ("data", None, "model", None))
+        rotation = torch.polar(torch.ones_like(angles), angles)
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        out = torch.view_as_real(pairs * rotation).flatten(3)
+        (out * torch.arange(out.shape[-1], device=x.device)).sum().backward()
+        return out.detach(), x.grad
+
+    x, angles = torch.randn(4, 6, 2, 8), torch.randn(6, 1, 4)
+    want = program(x, angles, False)
+    for sharded in (False, True):
+        assert_same(program(x.to(DEV), angles.to(DEV), sharded), want, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_through_complex_views():
+    def program(b):
+        b = b.clone().requires_grad_()
+        c = torch.complex(b, 2 * b)
+        loss = (c.real * c.imag).sum() + torch.view_as_real(c * c).pow(2).sum()
+        loss.backward()
+        return loss.detach(), b.grad
+
+    check(program, torch.linspace(-1, 1, 5))
 
 
 def test_as_strided_out_of_bounds_raises():

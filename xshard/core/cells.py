@@ -221,6 +221,13 @@ def _dtype_back(step, parent, value):
                    parent.dtype)
 
 
+def _complex_back(inverse):
+    """``view_as_real`` and ``view_as_complex`` are each other's inverse, ``_conj`` its own."""
+    def rule(step, parent, value):
+        return ir.Node(inverse, (value,), ((ir.slot(0),), ()), parent.shape, parent.dtype)
+    return rule
+
+
 def _permute_back(step, parent, value):
     dims = [d % len(step.shape) for d in step.template[0][1]]
     inverse = tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
@@ -249,6 +256,9 @@ _SCATTER = {
     aten.expand.default: _strided_back,
     aten.unfold.default: _strided_back,
     aten.view.dtype: _dtype_back,
+    aten.view_as_real.default: _complex_back(aten.view_as_complex.default),
+    aten.view_as_complex.default: _complex_back(aten.view_as_real.default),
+    aten._conj.default: _complex_back(aten._conj.default),
     aten.permute.default: _permute_back,
     aten.transpose.int: _transpose_back,
     aten.t.default: _transpose_back,

@@ -30,6 +30,8 @@ VIEW_OPS = {
     aten.diagonal.default, aten.as_strided.default, aten.permute.default, aten.transpose.int,
     aten.t.default, aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default,
     aten.unbind.int, aten.unfold.default, aten.view.dtype,
+    # (and .real / .imag through them); _conj's view holds the conjugate values (no conj bit)
+    aten.view_as_real.default, aten.view_as_complex.default, aten._conj.default,
     # "unsafe" only for autograd: their results alias the input all the same
     aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default,
 }

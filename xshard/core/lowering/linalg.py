@@ -128,6 +128,16 @@ def _view_as_real(x):
     return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
 
 
+@rule(aten.view_as_complex)
+def _view_as_complex(x):
+    return lax.complex(x[..., 0], x[..., 1])
+
+
+@rule(aten._conj)
+def _conj(x):
+    return jnp.conj(x)
+
+
 @rule(aten.complex)
 def _complex(real, imag):
     return lax.complex(*jnp.broadcast_arrays(*promote(real, imag)))
