@@ -210,3 +210,49 @@ def test_topk_ranks_every_nan_highest(dtype, largest):
         expected = fn(x.to(dtype)).topk(4, largest=largest)
         got = fn(x.to(dtype).to(DEV)).topk(4, largest=largest)
         torch.testing.assert_close(got.values.cpu(), expected.values, equal_nan=True)
+
+
+u8, m = torch.uint8, [True, False, True]
+# (what runs, on a device): eager refuses each (c10's checked conversion of the number to the
+# result's dtype); the meta kernels take them, and XLA wrapped 300 to 44 (silent wrong answer).
+_OUT_OF_RANGE = {
+    "u8.fill_(300)": lambda d: torch.zeros(3, dtype=u8, device=d).fill_(300),
+    "i8.fill_(-129)": lambda d: torch.zeros(3, dtype=torch.int8, device=d).fill_(-129),
+    "u8.fill_(-1.0)": lambda d: torch.zeros(3, dtype=u8, device=d).fill_(-1.0),
+    "i32.fill_(2**40)": lambda d: torch.zeros(2, dtype=torch.int32, device=d).fill_(2**40),
+    "f16.fill_(1e6)": lambda d: torch.zeros(2, dtype=torch.float16, device=d).fill_(1e6),
+    "f32.fill_(1e39)": lambda d: torch.zeros(2, device=d).fill_(1e39),
+    "u8[0] = 300": lambda d: torch.zeros(3, dtype=u8, device=d).__setitem__(0, 300),
+    "masked_fill": lambda d: torch.zeros(3, dtype=u8, device=d).masked_fill(
+        torch.tensor(m, device=d), 300),
+    "full": lambda d: torch.full((3,), 300, dtype=u8, device=d),
+    "new_full": lambda d: torch.zeros(3, dtype=u8, device=d).new_full((2,), 256),
+    "index_fill": lambda d: torch.zeros(3, dtype=u8, device=d).index_fill(
+        0, torch.tensor([1], device=d), 300),
+    "clamp": lambda d: torch.full((2,), 7, dtype=u8, device=d).clamp(max=300),
+    "clamp_": lambda d: torch.full((2,), 7, dtype=u8, device=d).clamp_(max=-300),
+    "where": lambda d: torch.where(torch.tensor(m, device=d), torch.zeros(3, dtype=u8, device=d),
+                                   300),
+    "addcmul": lambda d: torch.zeros(2, dtype=u8, device=d).addcmul(
+        torch.ones(2, dtype=u8, device=d), torch.ones(2, dtype=u8, device=d), value=300),
+}
+
+
+@pytest.mark.parametrize("case", list(_OUT_OF_RANGE))
+def test_numbers_out_of_the_results_range_are_refused_as_in_eager(case):
+    program = _OUT_OF_RANGE[case]
+    with pytest.raises(RuntimeError, match="without overflow"):
+        program("cpu")
+    with pytest.raises(RuntimeError, match="without overflow"):
+        program(DEV)
+
+
+def test_numbers_eager_converts_without_overflow():
+    """Those eager takes: a negative integer into an unsigned dtype wraps (down to minus its
+    maximum), bool takes any number, infinity fits a float, a float bound promotes."""
+    check(lambda x, h, b: (x.clone().fill_(-1), x.clone().fill_(-255), b.clone().fill_(2),
+                           h.clone().fill_(float("inf")), x.clamp(max=300.5),
+                           x.clone().clamp_(min=-1), torch.where(b, x, 1.5),
+                           x.masked_fill(b, -3)),
+          torch.arange(3, dtype=u8), torch.zeros(3, dtype=torch.float16),
+          torch.tensor(m))

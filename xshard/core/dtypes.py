@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import torch
@@ -72,3 +74,27 @@ def numpy_to_torch(a: np.ndarray) -> torch.Tensor:
         a = a.view(to_numpy_dtype(carrier))
         return torch.from_numpy(np.array(a, copy=True)).view(dtype)
     return torch.from_numpy(np.array(a, copy=True))
+
+
+_NO_INFINITY = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+def overflows(value, dtype: torch.dtype) -> bool:
+    """Whether ATen's checked conversion of Python number ``value`` to ``dtype`` fails (c10's
+    ``overflows``): an integer out of range (one for an unsigned dtype may be as low as minus its
+    maximum: it wraps), a float out of range or NaN for an integer dtype, a finite float out of a
+    floating dtype's range. bool and complex results take any number."""
+    if isinstance(value, bool) or dtype is torch.bool or dtype.is_complex:
+        return False
+    if dtype.is_floating_point:
+        if isinstance(value, float) and (math.isnan(value) or (
+                math.isinf(value) and dtype not in _NO_INFINITY)):
+            return False
+        info = torch.finfo(dtype)
+        return value < info.min or value > info.max
+    info = torch.iinfo(dtype)
+    if isinstance(value, float):
+        return math.isnan(value) or value < info.min or value > info.max
+    if info.min == 0:
+        return value > info.max or value < -info.max
+    return value < info.min or value > info.max

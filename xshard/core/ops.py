@@ -155,6 +155,20 @@ def _class_target(op: str, position: int, byte: bool):
     return check
 
 
+# Ops whose CPU kernel converts these Scalar arguments to the result's dtype with c10's overflow
+# check (``fill_(300)`` on uint8 raises in eager; the meta kernel, and XLA, wrap it to 44).
+_RANGE_CHECKED = {
+    aten.fill: ("value",), aten.fill_: ("value",), aten.masked_fill: ("value",),
+    aten.masked_fill_: ("value",), aten.index_fill: ("value",), aten.index_fill_: ("value",),
+    aten.clamp: ("min", "max"), aten.clamp_: ("min", "max"), aten.clip: ("min", "max"),
+    aten.clip_: ("min", "max"), aten.clamp_min: ("min",), aten.clamp_min_: ("min",),
+    aten.clamp_max: ("max",), aten.clamp_max_: ("max",), aten.where: ("self", "other"),
+    aten.addcmul: ("value",), aten.addcmul_: ("value",), aten.addcdiv: ("value",),
+    aten.addcdiv_: ("value",), aten.full: ("fill_value",), aten.full_like: ("fill_value",),
+    aten.new_full: ("fill_value",), aten.scalar_tensor: ("s",),  # (``u8[0] = 300``)
+}
+
+
 # Calls whose meta kernel takes other arguments than eager CPU: a function of the call's meta
 # arguments, raising where eager raises, returning those the meta kernel gives eager's result for.
 META_ARGUMENTS = {
@@ -196,7 +210,7 @@ class OpFacts:
     __slots__ = ("op", "code", "route", "positional_dynamic", "kw_dynamic", "written",
                  "out_names", "random", "inplace", "functional", "inplace_twin", "rule",
                  "inherit_sharding", "decomposition", "cpu_index_positions", "cpu_index_names",
-                 "name")
+                 "name", "range_checked")
 
     def __init__(self, func):
         schema = func._schema
@@ -226,6 +240,11 @@ class OpFacts:
                              and self.functional in RULES
                              and _same_arguments(func, self.functional))
         self.rule = RULES.get(func)
+        checked = _RANGE_CHECKED.get(func.overloadpacket, ())
+        # (position, name) of each number argument converted with an overflow check, or None
+        self.range_checked = tuple(
+            (i, a.name) for i, a in enumerate(args)
+            if a.name in checked and str(a.type) in ("number", "Optional[number]")) or None
         self.inherit_sharding = func in INHERIT_SHARDING
         self.decomposition = DECOMPOSITIONS.get(func) or decomposition_table.get(func)
         index_op = func.overloadpacket in _CPU_INDEX_OPS

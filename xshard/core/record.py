@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 from xshard.core import ir, rng
 from xshard.core.backend import DEVICE_TYPE
 from xshard.core.cells import LazyTensor, ViewStep
-from xshard.core.dtypes import UnsupportedDtypeError, to_numpy_dtype
+from xshard.core.dtypes import UnsupportedDtypeError, overflows, to_numpy_dtype
 from xshard.core.execute import upload_node
 from xshard.core.ops import META_ARGUMENTS, NO_DEFAULT, facts
 
@@ -180,6 +180,17 @@ def meta(func, args, kwargs, key: tuple):
     return entry
 
 
+def check_range(func, f, args, kwargs, dtype) -> None:
+    """Raises where eager's kernel does: a number argument ``f.range_checked`` names that does not
+    fit ``dtype``, the result's (``fill_(300)`` on uint8; XLA would wrap it to 44)."""
+    for position, name in f.range_checked:
+        value = args[position] if position < len(args) else kwargs.get(name)
+        if isinstance(value, (int, float)) and overflows(value, dtype):
+            raise RuntimeError(
+                f"{func}: value cannot be converted to type {dtype} without overflow: {name}="
+                f"{value!r} (as in eager); use a value within {dtype}'s range, or a wider dtype.")
+
+
 def _check_supported(func, out) -> None:
     """Raises at the call (not at the next sync) when a result's dtype has no XLA counterpart
     (complex32)."""
@@ -215,6 +226,8 @@ def record(func, f, args, kwargs):
         # (A meta kernel that divides by an element count fails on empty inputs that eager
         # takes: ``mse_loss_backward`` of a mean over no element.)
         raise NoMeta(str(e)) from e
+    if f.range_checked and spec[0] == "t":
+        check_range(func, f, args, kwargs, spec[3])
     return spec, _node(func, f, tuple(rec.inputs), template, spec, node_key)
 
 
@@ -343,6 +356,8 @@ def _inplace(func, f, functional, args, kwargs):
         if func not in _IN_OWN_DTYPE:
             _check_cast(entry[0], args[0])
         cache[key] = entry
+    if f.range_checked:  # after the cast check, as in eager
+        check_range(func, f, args, kwargs, args[0].dtype)
     spec, node_key = entry
     node = _node(functional, ff, tuple(rec.inputs), template, spec, node_key)
     target = args[0]
@@ -536,6 +551,8 @@ def factory(func, args, kwargs):
         entry = cache[key] = (tuple(out.shape), tuple(out.stride()), out.dtype,
                               ir.intern_key(("factory", key, out.dtype)))
     shape, stride, dtype, node_key = entry
+    if f.range_checked:
+        check_range(func, f, args, kwargs, dtype)
     if "dtype" not in kwargs:
         # The rule needs the dtype PyTorch chose (default dtype, or inferred from the values).
         template = (template[0], template[1] + (("dtype", dtype),))
