@@ -170,5 +170,11 @@ def test_region_argument_errors(mesh):
         xs.enable_manual_sharding(x, ("data", None))
     with pytest.raises(ValueError, match="shard_map got 2 inputs for 1 in_specs"):
         xs.shard_map(lambda t: t, mesh, in_specs=(("data", None),), out_specs=("data", None))(x, x)
+    # As jax.shard_map: fn saw the padding of the last shards, and its results kept it (a (7,)
+    # input gave an (8,) result; a max over the padding's zeros was 0 for negative values).
+    with pytest.raises(ValueError, match=r"input 0 \(shape \[7, 6\]\) has dim 0 of size 7 split 4 "
+                                         r"ways .* pad that dim to a multiple of 4"):
+        xs.shard_map(lambda t: t * 2, mesh, in_specs=(("data", None),),
+                     out_specs=("data", None))(x[:7])
     with pytest.raises(ValueError, match="does not divide into 4 blocks"):
         xs.reduce_scatter(local, 0, "data", mesh=mesh)

@@ -124,6 +124,8 @@ def shard_map(fn, mesh: Mesh, in_specs, out_specs):
     def wrapped(*tensors):
         if len(tensors) != len(in_specs):
             raise ValueError(f"shard_map got {len(tensors)} inputs for {len(in_specs)} in_specs.")
+        for k, (t, spec) in enumerate(zip(tensors, in_specs)):
+            _check_even(t, spec, mesh, k)
         locals_ = [enable_manual_sharding(t, s, mesh=mesh) for t, s in zip(tensors, in_specs)]
         result = fn(*locals_)
         # What fn returns decides how out_specs reads: one spec for a tensor, one spec per output
@@ -144,6 +146,18 @@ def shard_map(fn, mesh: Mesh, in_specs, out_specs):
         return results[0] if single else tuple(results)
 
     return wrapped
+
+
+def _check_even(t, spec, mesh: Mesh, k: int) -> None:
+    """As ``jax.shard_map``: each sharded dim of input ``k`` divides evenly over its mesh axes
+    (``fn`` would see the padding of the last shards, and its results would keep it)."""
+    tiles = sh.annotation(mesh, spec, t.dim()).plan.tile_shape
+    for d, (n, parts) in enumerate(zip(t.shape, tiles)):
+        if n % parts:
+            raise ValueError(
+                f"shard_map: input {k} (shape {list(t.shape)}) has dim {d} of size {n} split "
+                f"{parts} ways by in_specs[{k}] = {spec!r}, which does not divide evenly; pad "
+                f"that dim to a multiple of {parts}, or replicate it (None in the spec).")
 
 
 def _close_region(outputs, annotations, mesh: Mesh, full_shapes):
