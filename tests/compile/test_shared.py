@@ -2,6 +2,7 @@
 each compiled call computes what eager CPU PyTorch does (see [Note: slots sharing data] in
 xshard/step/program.py). Before, every case here gave a silent wrong answer or lost data."""
 
+import re
 import types
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch.nn as nn
 import xshard
 from compile_testing import DEV, MLP, assert_same_run, make_batches
 from xshard.core import api
+from xshard.step.errors import StateError
 
 
 def _sgd_step(model, opt, extra=None):
@@ -510,6 +512,115 @@ def test_settings_read_through_objects():
                           "_Configured.cfg.temperature: 1.0 -> 4.0", "offset[0]: 0.0 -> 2.0"],
                          reasons):
         assert want in got, reasons
+
+
+FLAGS = []  # a global list of settings (test_settings_computed_from_containers)
+
+
+def test_settings_computed_from_containers():
+    """What the step computes from a list or dict of settings (``"double" in flags``, ``lrs[i]``,
+    ``cfg.get("w")``) in its closure, globals or default arguments, and the settings it reads
+    through a default argument (``cfg["w"]``, ``ns.w``): each was built in, and a change made in
+    place between calls silently ignored. Their contents are compared by value now."""
+    def run(device, compiled):
+        FLAGS.clear()
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        flags, weights, i = [], {"w": 1.0}, 0
+        scales = [1.0, 2.0]
+        default_cfg, default_ns = {"w": 1.0}, types.SimpleNamespace(w=1.0)
+
+        def train_step(x, y, cfg=default_cfg, ns=default_ns, options=()):
+            loss = model(x, y) * (2.0 if "double" in flags else 1.0) * weights.get("w", 0.0)
+            loss = loss * scales[i] * cfg["w"] * ns.w * (0.5 if "half" in FLAGS else 1.0)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        changes = [lambda: None, lambda: flags.append("double"),
+                   lambda: weights.__setitem__("w", 3.0), lambda: scales.__setitem__(0, 0.5),
+                   lambda: default_cfg.__setitem__("w", 4.0), lambda: setattr(default_ns, "w", 2.0),
+                   lambda: FLAGS.append("half"), lambda: None]
+        step = xshard.compile(train_step) if compiled else train_step
+        losses = []
+        for change, (x, y) in zip(changes, make_batches("mlp", len(changes))):
+            change()
+            losses.append(step(x.to(device), y.to(device)).item())
+        return losses, [p.detach().cpu() for p in model.parameters()], step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    reasons = dev[2].retrace_reasons
+    assert dev[2].traces == 7, reasons
+    for want, got in zip(["closure variable 'flags' (contents): () -> ('double',)",
+                          "closure variable 'weights' (contents)", "closure variable 'scales'",
+                          "cfg['w']: 1.0 -> 4.0", "ns.w: 1.0 -> 2.0",
+                          "global 'FLAGS' (contents): () -> ('half',)"], reasons):
+        assert want in got, reasons
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])
+def test_learning_rate_read_inside_the_step(optimizer):
+    """``opt.param_groups[0]["lr"]`` read by the step (logged, or scaling a loss term) is the
+    call's learning rate, as the update's is (it was refused: "the step changes ...['lr']")."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        opt = optimizer(model.parameters(), lr=0.1)
+
+        def train_step(x, y):
+            lr = opt.param_groups[0]["lr"]
+            loss = model(x, y) * (1.0 + lr)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss, lr * 2.0
+
+        step = xshard.compile(train_step) if compiled else train_step
+        out = []
+        for i, (x, y) in enumerate(make_batches("mlp", 4)):
+            if i == 2:
+                opt.param_groups[0]["lr"] = 0.05
+            loss, lr = step(x.to(device), y.to(device))
+            out.append((loss.item(), float(lr)))
+        return out, [p.detach().cpu() for p in model.parameters()], step
+
+    cpu, dev = run("cpu", False), run(DEV, True)
+    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu[1], dev[1]):  # (AdamW's capturable form: see the README)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert dev[2].traces <= 2, dev[2].retrace_reasons  # (AdamW: its first step creates state)
+
+
+@pytest.mark.parametrize("where", ["dict", "list", "object"])
+def test_counter_the_step_increments_in_a_container_is_refused(where):
+    """``state["step"] += 1`` (or of a list entry, an object's attribute) in the step: a replay
+    cannot count, and the counter stayed at 1 silently; refused as ``n = n + 1`` is."""
+    state, counts, ns = {"step": 0}, [0], types.SimpleNamespace(step=0)
+    torch.manual_seed(0)
+    model = MLP().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        loss = _sgd_step(model, opt)(x, y)
+        if where == "dict":
+            state["step"] += 1
+        elif where == "list":
+            counts[0] += 1
+        else:
+            ns.step += 1
+        return loss
+
+    x, y = (t.to(DEV) for t in make_batches("mlp", 1)[0])
+    name = {"dict": "state['step']", "list": "counts[0]", "object": "ns.step"}[where]
+    with pytest.raises(StateError, match=re.escape(f"the step changes {name} (0 -> 1)")):
+        xshard.compile(train_step)(x, y)
+    assert (state["step"], counts[0], ns.step) == (0, 0, 0)  # put back
+    train_step(x, y)  # the lazy path counts
 
 
 @pytest.mark.parametrize("where", ["module", "global"])

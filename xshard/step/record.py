@@ -185,6 +185,7 @@ class Recording:
         saved_state = [(opt, {p: dict(d) for p, d in opt.state.items()})
                        for opt in roots.optimizers]
         stream = rng.position()  # see [Note: random draws in a compiled step]
+        settings, before = [], []
         try:
             settings = _settings(program.flag_modules, roots)
             before = [container.get(key, None) for container, key, _ in settings]
@@ -225,6 +226,7 @@ class Recording:
             program.host_tensors = host_reads.guarded(name)
         except BaseException:
             self._undo(slots, entry, wrapped, rates, saved_state, program.groups)
+            _put_back(settings, before)
             rng.set_position(*stream)
             raise
         result = self._first_run(program, planned, exits, wrapped)
@@ -828,10 +830,22 @@ def _settings(modules, roots) -> list:
         for k, v in vars(opt).items():
             if not k.startswith("_") and k not in _OPTIMIZER_INTERNALS and st.is_setting(v):
                 out.append((vars(opt), k, f"{type(opt).__name__}.{k}"))
-    return out + list(roots.settings)
+    return out + list(roots.settings) + list(roots.contents)
 
 
 _OPTIMIZER_INTERNALS = frozenset({"defaults", "state", "param_groups"})
+
+
+def _put_back(settings, before) -> None:
+    """Puts back the Python settings a refused recording changed (a counter the step counts)."""
+    for (container, key, _), was in zip(settings, before):
+        now = container.get(key, None)
+        if was is None or now is was or same_value(now, was):
+            continue  # (None: it may not have existed)
+        if isinstance(container, dict):
+            container[key] = was
+        elif hasattr(container, "put"):
+            container.put(key, was)
 
 
 def _record_settings(program: Program, roots, settings, before) -> None:
@@ -858,6 +872,10 @@ def _record_settings(program: Program, roots, settings, before) -> None:
         after = container.get(key, None)
         if v is None:  # a lazy initialisation (FSDP's, a cache): compared as the step left it
             v = after
+        if isinstance(container, st.Contents) and not same_value(after, v):
+            # A list or dict the step fills (``calls.append(1)``, tensors it keeps): its Python
+            # runs only while it is recorded, as in jax.jit (kept tensors are reported below).
+            continue
         program.settings.append((container, key))
         program.setting_values.append(v)
         program.setting_names.append(name)

@@ -225,6 +225,9 @@ class Roots:
         # (container, key, name) of each Python setting the step function reads from its closure
         # or globals: container.get(key, default) reads it (see is_setting)
         self.settings: list = []
+        # The same for the lists and dicts of settings the step reads (``"fast" in flags``): a
+        # reader of their contents, compared after the settings (which name the entry changed)
+        self.contents: list = []
         # (container, key, name) of every other object the step reaches that way (a module, an
         # optimizer, a function, a trainer): the guard compares them by identity (see [Note: what
         # the step reaches] in record.py)
@@ -274,8 +277,12 @@ class Roots:
         by value, or an object it compares by identity."""
         if is_setting(value):
             self.settings.append((container, key, name))
-        else:
-            self.bindings.append((container, key, name))
+            return
+        self.bindings.append((container, key, name))
+        if type(value) in (list, dict) and contents(value) is not None:
+            # What the step computes from a list or dict of settings (``"fast" in flags``,
+            # ``lrs[i]``, ``cfg.get("w")``): its contents are compared by value.
+            self.contents.append((Contents(container, key), None, f"{name} (contents)"))
 
 
 def has_attributes(obj) -> bool:
@@ -353,6 +360,9 @@ def find_roots(fn, extra=()) -> Roots:
                 roots.tensors.append((value, f"default argument {name!r}"))
             elif not is_setting(value):
                 roots.add(value, depth=1, name=name)
+                if type(value) in (list, dict):
+                    roots.reach(_Call(partial(_default, f, *_default_names(f)[name])), None,
+                                value, f"default argument {name!r}")
         for kind in ("__defaults__", "__kwdefaults__"):
             roots.reach(_AttributeReader(f), kind, getattr(f, kind), f"{f.__name__}.{kind}")
         reach_globals(f, code)
@@ -431,9 +441,11 @@ def find_roots(fn, extra=()) -> Roots:
 # the methods that calls on ``self`` (a chain may be just the name: a global setting a forward
 # reads). Each chain that ends in a setting (or None) when the step is recorded is read again on
 # every call, the same way but only through instance dicts, dict keys and sequence indices (no
-# property or ``__getattr__`` runs), and compared; a change records the step again. A value the code
-# computes (``cfg.get("w")``, ``schedule[i]``) or a helper in another module reads is not seen:
-# pass it as an argument.
+# property or ``__getattr__`` runs), and compared; a change records the step again. Chains from a
+# default argument (``def step(x, cfg=cfg)``) start from the default. A list or dict of settings
+# the step reaches (closure, global, default, the object it is a method of) is compared by its
+# contents too, so what the code computes from it (``cfg.get("w")``, ``schedule[i]``, ``"fast"
+# in flags``) is seen. A value a helper in another module reads is not: pass it as an argument.
 
 _LOAD_NAME = {"LOAD_GLOBAL": "global", "LOAD_NAME": "global", "LOAD_DEREF": "closure",
               "LOAD_CLASSDEREF": "closure", "LOAD_FAST": "local", "LOAD_FAST_CHECK": "local",
@@ -463,10 +475,14 @@ def _scan(code, paths) -> None:
                 paths.setdefault(root, set()).add(chain)
                 key = _NO_KEY
                 continue
+            if op == "COPY" and ins.arg == 2:  # ``cfg["n"] += 1`` keeps the object and the key
+                continue
             root, key = None, _NO_KEY
         kind = _LOAD_NAME.get(op)
         if kind is not None:
             root, chain = (kind, ins.argval), ()
+        elif root is not None and op == "COPY" and ins.arg == 1:  # ``cfg.n += 1`` keeps cfg
+            continue
         elif root is not None and op in ("LOAD_ATTR", "LOAD_METHOD"):
             chain += (("attr", ins.argval),)
             paths.setdefault(root, set()).add(chain)
@@ -491,24 +507,41 @@ class _PathReader:
         self.root, self.chain = root, chain  # root(): the object the chain starts from
 
     def get(self, _key, default):
-        obj = self.root()
-        for kind, key in self.chain:
-            if kind == "attr":
-                try:
-                    d = object.__getattribute__(obj, "__dict__")
-                except AttributeError:
-                    return default
-                if type(d) is not dict or key not in d:
-                    return default
-                obj = d[key]
-            elif isinstance(obj, dict):
-                obj = dict.get(obj, key, default)
-            elif isinstance(obj, (list, tuple)) and type(key) is int and \
-                    -len(obj) <= key < len(obj):
-                obj = obj[key]
-            else:
+        return _follow(self.root(), self.chain, default)
+
+    def put(self, _key, value) -> None:
+        """Sets what ``get`` reads back to ``value`` (a refused recording puts its settings
+        back), where the chain still leads to a place that can hold it."""
+        *chain, (kind, key) = self.chain
+        obj = _follow(self.root(), chain, _NO_KEY)
+        if kind == "attr":
+            d = getattr(obj, "__dict__", None)
+            if type(d) is dict and key in d:
+                d[key] = value
+        elif isinstance(obj, (dict, list)) and key in (obj if isinstance(obj, dict) else
+                                                      range(-len(obj), len(obj))):
+            obj[key] = value
+
+
+def _follow(obj, chain, default):
+    """``obj`` through ``chain`` (instance dicts, dict keys, sequence indices), else ``default``."""
+    for kind, key in chain:
+        if kind == "attr":
+            try:
+                d = object.__getattribute__(obj, "__dict__")
+            except AttributeError:
                 return default
-        return obj
+            if type(d) is not dict or key not in d:
+                return default
+            obj = d[key]
+        elif isinstance(obj, dict):
+            obj = dict.get(obj, key, default)
+        elif isinstance(obj, (list, tuple)) and type(key) is int and \
+                -len(obj) <= key < len(obj):
+            obj = obj[key]
+        else:
+            return default
+    return obj
 
 
 def _reach_paths(roots: Roots, f, bound, visit) -> None:
@@ -519,6 +552,7 @@ def _reach_paths(roots: Roots, f, bound, visit) -> None:
     closure = dict(zip(code.co_freevars, f.__closure__ or ()))
     module_globals = getattr(f, "__globals__", {})
     this = code.co_varnames[0] if bound is not None and code.co_argcount else None
+    defaults = _default_names(f)
     for (kind, name), chains in read_paths(code).items():
         if kind == "global":
             root = partial(module_globals.get, name, None)
@@ -526,6 +560,10 @@ def _reach_paths(roots: Roots, f, bound, visit) -> None:
             root = _CellReader(closure[name]).value
         elif kind == "local" and name == this:
             root = partial(_itself, bound)
+        elif kind == "local" and name in defaults:
+            # ``def step(x, cfg=cfg)``: the default's settings (an argument passed instead is
+            # compared with the call's key)
+            root = partial(_default, f, *defaults[name])
         else:
             continue
         for chain in chains:
@@ -536,18 +574,52 @@ def _reach_paths(roots: Roots, f, bound, visit) -> None:
                     method = inspect.getattr_static(type(obj), chain[0][1], None)
                     if isinstance(method, types.FunctionType):
                         visit(types.MethodType(method, obj))
-                if kind == "local" or isinstance(obj, nn.Module):
+                if (kind == "local" and name == this) or isinstance(obj, nn.Module):
                     continue  # ``self.scale``, ``model.scale``: compared already (module settings)
             reader = _PathReader(root, chain)
             value = reader.get(None, _NO_KEY)
+            if _through_param_groups(root(), chain):
+                continue  # ``opt.param_groups[0]["lr"]``: the optimizer's groups are compared
             if value is None or (value is not _NO_KEY and is_setting(value)):
-                where = type(bound).__name__ if kind == "local" else name
+                where = type(bound).__name__ if kind == "local" and name == this else name
                 roots.add_setting(reader, where + "".join(
                     f".{k}" if t == "attr" else f"[{k!r}]" for t, k in chain))
 
 
 def _itself(obj):
     return obj
+
+
+def _through_param_groups(obj, chain) -> bool:
+    """Whether ``chain`` from ``obj`` reads an optimizer's ``param_groups`` (a learning rate is
+    the program's input while the step is recorded; the guard compares the groups)."""
+    for step in chain:
+        if isinstance(obj, torch.optim.Optimizer) and step == ("attr", "param_groups"):
+            return True
+        obj = _follow(obj, (step,), _NO_KEY)
+        if obj is _NO_KEY:
+            return False
+    return False
+
+
+def _default_names(f) -> dict:
+    """``{name: (attribute, key)}`` of ``f``'s parameters that have defaults: the default is
+    ``getattr(f, attribute)[key]``."""
+    code = f.__code__
+    positional = f.__defaults__ or ()
+    names = code.co_varnames[code.co_argcount - len(positional):code.co_argcount]
+    out = {name: ("__defaults__", i) for i, name in enumerate(names)}
+    out.update((name, ("__kwdefaults__", name)) for name in f.__kwdefaults__ or {})
+    return out
+
+
+def _default(f, attribute, key):
+    """A default of ``f``'s (None when ``__defaults__`` or ``__kwdefaults__`` no longer has it:
+    the guard compares those too)."""
+    try:
+        return getattr(f, attribute)[key]
+    except (TypeError, IndexError, KeyError):
+        return None
 
 
 _SETTING_TYPES = (bool, int, float, complex, str, torch.dtype, torch.device)
@@ -558,6 +630,61 @@ def is_setting(value) -> bool:
     string, a dtype, a tuple of those): the guard compares it on every call."""
     return type(value) in _SETTING_TYPES or isinstance(value, np.generic) or (
         type(value) in (tuple, torch.Size) and all(is_setting(v) for v in value))
+
+
+_CONTENTS_LIMIT = 256  # entries of a list or dict of settings compared by value
+
+
+class _Unsettled(Exception):
+    pass
+
+
+def contents(value):
+    """A list or dict of settings (nested lists, tuples and dicts of them too, at most
+    ``_CONTENTS_LIMIT`` entries in all) as nested tuples, compared by value; else None."""
+    count = 0
+
+    def freeze(v):
+        nonlocal count
+        count += 1
+        if count > _CONTENTS_LIMIT:
+            raise _Unsettled
+        if v is None or is_setting(v):
+            return v
+        if type(v) in (list, tuple):
+            return tuple(map(freeze, v))
+        if type(v) is dict and all(map(is_setting, v)):
+            return tuple((k, freeze(x)) for k, x in v.items())
+        raise _Unsettled
+
+    try:
+        return freeze(value)
+    except _Unsettled:
+        return None
+
+
+class Contents:
+    """The contents of ``container.get(key)``, a list or dict of settings, read as
+    ``get(_, default)`` reads a settings dict (the object itself when it holds anything else)."""
+
+    __slots__ = ("container", "key")
+
+    def __init__(self, container, key):
+        self.container, self.key = container, key
+
+    def get(self, _key, default):
+        value = self.container.get(self.key, default)
+        frozen = contents(value) if type(value) in (list, dict) else None
+        return value if frozen is None else frozen
+
+    def put(self, _key, frozen) -> None:
+        """Puts back contents ``get`` read, when they are flat (settings only)."""
+        value = self.container.get(self.key, None)
+        if type(value) is list and all(map(is_setting, frozen)):
+            value[:] = frozen
+        elif type(value) is dict and all(is_setting(v) for _, v in frozen):
+            value.clear()
+            value.update(frozen)
 
 
 class _CellReader:
@@ -574,8 +701,23 @@ class _CellReader:
         except ValueError:  # emptied
             return default
 
+    def put(self, _key, value) -> None:
+        self.cell.cell_contents = value
+
     def value(self):
         return self.get(None, None)
+
+
+class _Call:
+    """A function's result read as ``get(key, default)`` reads a settings dict."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def get(self, _key, default):
+        return self.fn()
 
 
 class _AttributeReader:
@@ -588,6 +730,9 @@ class _AttributeReader:
 
     def get(self, name, default):
         return getattr(self.obj, name, default)
+
+    def put(self, name, value) -> None:
+        setattr(self.obj, name, value)
 
 
 def _loaded_globals(code) -> set:
