@@ -76,6 +76,27 @@ def test_optimizer_matches_eager(name, foreach):
                 assert_same(st[k], ref_st[k], **TOL)
 
 
+@pytest.mark.filterwarnings("ignore:xshard has no lowering")
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_fused_optimizers_match_eager(name, amsgrad):
+    """``fused=True`` runs ATen's fused kernel through the CPU fallback: each list it updates
+    (parameters, gradients, moments) is written back (it raised an AttributeError)."""
+    def make(params):
+        return getattr(torch.optim, name)(params, lr=1e-2, amsgrad=amsgrad, weight_decay=0.1,
+                                          fused=True)
+
+    data = batches(3)
+    ref = make_model()
+    ref_opt = make(ref.parameters())
+    ref_losses = train(ref, ref_opt, data, "cpu")
+    model = make_model().to(DEV)
+    opt = make(model.parameters())
+    assert_same(train(model, opt, data, DEV, sync=True), ref_losses, **TOL)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p, q, **TOL)
+
+
 def test_steady_state_training_compiles_nothing():
     model = make_model().to(DEV)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

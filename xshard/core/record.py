@@ -292,6 +292,10 @@ def mutate(func, f, args, kwargs):
         else:
             # Defaults made explicit pick the matching overload: bernoulli_(p=0.5) -> bernoulli.p.
             result = functional(*_with_defaults(func, args), **kwargs)
+        if len(f.written) > 1:  # (``_fused_adam_``: each list it updates, in order)
+            for name, new in zip(f.written, result):
+                _write_results(bound[name], new)
+            return None
         return _write_results(args[0], result)
     # A functional twin returns the op's own outputs followed by the new value of each written arg.
     result = functional(**bound)
