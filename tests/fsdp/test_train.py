@@ -164,3 +164,18 @@ def test_optimization_barrier_option_must_be_a_bool():
     with pytest.raises(TypeError, match=r"optimization_barrier_in_backward must be True or False, "
                                         r"got 'no'"):
         FSDP(gpt(cfg=SMALL), optimization_barrier_in_backward="no")
+
+
+def test_parameter_data_replaced_after_wrapping_is_sharded_again():
+    """``p.data = t`` on a wrapped parameter (a Hugging Face-style weight replacement) gives it
+    an unsharded storage: the next forward shards it as FSDP had (backward raised an
+    AttributeError)."""
+    reference = gpt(cfg=SMALL)
+    model = fsdp_copy(reference, auto_wrap_policy=POLICIES["transformer"])
+    spec = xs.get_sharding_spec(model.blocks[0].mlp.fc.weight)
+    new = torch.randn(reference.blocks[0].mlp.fc.weight.shape, generator=torch.Generator()
+                      .manual_seed(3))
+    reference.blocks[0].mlp.fc.weight.data = new.clone()
+    model.blocks[0].mlp.fc.weight.data = new.to(xshard.device())
+    _assert_trains_as_on_cpu(model, reference, batches(2, seed=5))
+    assert xs.get_sharding_spec(model.blocks[0].mlp.fc.weight) == spec

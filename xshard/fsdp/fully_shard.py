@@ -153,6 +153,7 @@ class FSDP:
         self._fsdp_rows_shardings: dict = {}
         self._fsdp_order_by_data = False
         _agree_initial_values(self, sync_module_states)
+        self._fsdp_on_dim_0 = shard_param_on_dim_0
         _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
         owned: set = set()
         self._fsdp_units = []
@@ -803,6 +804,11 @@ def _order_by_data(root: FSDP) -> bool:
 
 def _root_pre_forward(root: FSDP, args, kwargs):
     root._fsdp_order_by_data = _order_by_data(root)
+    for p in root.parameters():
+        if isinstance(p, XTensor) and core.annotation(p) is None:
+            # ``p.data = t`` gave the parameter another storage, unsharded: shard it as FSDP did
+            spmd_api.mark_sharding(p, root._fsdp_mesh, _spec(param_annotation(
+                p, root._fsdp_mesh, root._fsdp_on_dim_0)))
     inputs, rebuild = _tensors_of((args, kwargs))
     mp = root._fsdp_mp
     out = []
