@@ -9,6 +9,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import xshard
 import xshard.checkpoint as xcp
+from xshard.fsdp import FSDP
 
 from tests.checkpoint.checkpoint_testing import (SMALL, adamw, assert_same, batches, fsdp_gpt, gpt,
                                                  mesh, model_state, shard_2d, snapshot, spec_of,
@@ -139,3 +140,41 @@ def test_state_dicts_work_as_well_as_objects(tmp_path):
     assert state["step"] == 1
     assert_same(model_state(other), model_state(model))
     assert_same(snapshot(other_opt.state_dict()), snapshot(opt.state_dict()))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_optimizer_state_for_some_parameters_loads_into_a_fresh_optimizer(tmp_path, optimizer):
+    """A layer that had no gradient yet when the checkpoint was saved has no optimizer state in it:
+    a fresh optimizer loads the rest and leaves that layer without state, as
+    ``opt.load_state_dict`` does (the load refused the checkpoint: "not in the checkpoint")."""
+    def make(model):
+        if optimizer == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def run(model, opt, xs, late):
+        for x in xs:
+            h = torch.tanh(model[0](x.to(next(model.parameters()).device)))
+            loss = (model[1](h) if late else h).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        xshard.sync()
+
+    xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+    model = FSDP(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)))
+    model.load_state_dict(eager.state_dict())
+    eager_opt, opt = make(eager), make(model)
+    run(model, opt, xs[:2], late=False)  # the second layer gets no gradient, so no state
+    run(eager, eager_opt, xs[:2], late=False)
+    xcp.save({"model": model, "optim": opt}, tmp_path / "ckpt")
+    fresh = FSDP(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6)))
+    fresh_opt = make(fresh)
+    xcp.load({"model": fresh, "optim": fresh_opt}, tmp_path / "ckpt")
+    assert len(fresh_opt.state_dict()["state"]) == 2
+    run(fresh, fresh_opt, xs[2:], late=True)
+    run(eager, eager_opt, xs[2:], late=True)
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], value, rtol=1e-5, atol=1e-6)

@@ -187,7 +187,9 @@ def load(state: dict, path) -> None:
         state: the same structure as saved (a subset of its top-level keys is fine). Tensors are
             overwritten in place; Python values are replaced in their dicts; a module's tensors are
             overwritten in place; an optimizer gets its state created if it has none
-            (``prime_optimizer``), overwritten, and ``load_state_dict`` for its hyperparameters.
+            (``prime_optimizer``), overwritten, and ``load_state_dict`` for its hyperparameters
+            (a parameter the checkpoint holds no state for, one that had no gradient yet when it
+            was saved, is left without state, as ``load_state_dict`` leaves it).
         path: a checkpoint directory.
 
     Raises:
@@ -207,6 +209,8 @@ def load(state: dict, path) -> None:
     _check_complete(path)
     check_process_group()
     targets = states.to_state_dicts(state, prime=True)
+    states.drop_unsaved_state(state, targets,
+                              FileSystemReader(path).read_metadata().state_dict_metadata)
     planner = LoadPlanner(defer_writes=True)
     with _dcp_errors(f"Loading {path}", "nothing was written into the state"):
         dcp.load(targets, storage_reader=FileSystemReader(path), planner=planner)

@@ -78,6 +78,25 @@ def to_state_dicts(state, *, prime: bool) -> dict:
     return out
 
 
+def drop_unsaved_state(state: dict, targets: dict, saved_keys) -> None:
+    """Leaves out of ``targets`` (``to_state_dicts(state)``) the per-parameter optimizer state a
+    checkpoint does not hold (``saved_keys``: its flattened keys): a parameter that had no gradient
+    yet when it was saved. The load then leaves it without state, as ``opt.load_state_dict``
+    does, where priming had created some."""
+    saved = {key.rsplit(".", 1)[0] for key in saved_keys}  # "optim.state.2.step" -> "optim.state.2"
+
+    def drop(state, targets, prefix):
+        for key, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                per_param = targets[key]["state"]
+                for pid in [pid for pid in per_param if f"{prefix}{key}.state.{pid}" not in saved]:
+                    del per_param[pid]
+            elif isinstance(value, dict):
+                drop(value, targets[key], f"{prefix}{key}.")
+
+    drop(state, targets, "")
+
+
 def write_back(state: dict, loaded: dict) -> None:
     """Puts what a load produced (``loaded``, shaped by ``to_state_dicts``) into ``state``: Python
     values into its dicts, optimizer state into the optimizers (tensors were written in place)."""
