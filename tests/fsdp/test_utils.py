@@ -4,6 +4,7 @@ import copy
 import functools
 import re
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -142,3 +143,33 @@ def test_checkpointed_fsdp_units_lower_the_temporaries_of_a_step():
     if xshard.runtime.platform() == "cpu":
         assert plain_options["xla_cpu_scheduler_type"] == "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
         assert "xla_cpu_scheduler_type" not in ckpt_options
+
+
+@pytest.mark.parametrize("wrap", ["one unit", "block units"])
+def test_checkpointed_module_with_a_frozen_parameter(wrap):
+    """A checkpointed block holding a frozen weight, inside a larger FSDP unit: its gathered
+    weight needs no gradient, as the weight itself, so the recomputation saves what the forward
+    saved (a mismatch made PyTorch abort the process in backward)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[Block(8, 16) for _ in range(2)])
+    reference[0].a.weight.requires_grad_(False)
+    x = torch.randn(8, 8)
+    model = copy.deepcopy(reference)
+    for block in model:
+        checkpoint_module(block)
+    policy = None if wrap == "one unit" else functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    model = FSDP(model, auto_wrap_policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        model(x.to(xshard.device())).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        opt.step()
+        ref_opt.step()
+        xshard.sync()
+        assert model[0].a.weight.grad is None
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for (name, value), p in zip(reference.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(p, value, rtol=1e-5, atol=1e-6, msg=name)

@@ -538,11 +538,16 @@ class _GatherForward(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # unused parameters keep grad None, as in eager
         ctx.n_params = n_params
         ctx.param_dtypes = [p.dtype for p in tensors[:n_params]]
+        frozen = [not p.requires_grad for p in tensors[:n_params]]
         tensors = [t.detach() for t in tensors]
         fenced = unit.fence(tensors[:n_params], tensors[n_params:], "forward") if all(
             isinstance(t, XTensor) for t in tensors) else tensors
         gathered = [_gathered_tensor(fenced[i], unit.replicated[i], unit.root._fsdp_mp)
                     for i in range(n_params)]
+        # A frozen parameter stays one after the gather, as in eager: no gradient is computed
+        # for it, and a checkpointed module's recomputation, which reads the parameter itself,
+        # saves the same tensors as its forward did.
+        ctx.mark_non_differentiable(*(g for g, f in zip(gathered, frozen) if f))
         return tuple(gathered) + tuple(fenced[n_params:])
 
     @staticmethod
