@@ -294,6 +294,11 @@ def test_spawn_in_process_and_its_argument_errors():
         xmp.spawn(print, nprocs=2, join=False)
     with pytest.raises(ValueError, match="start_method='thread'"):
         xmp.spawn(print, nprocs=2, start_method="thread")
+    # 'fork' starts fresh replicas as 'spawn' does: a model the parent built does not reach them
+    # (unseeded, each replica initialised its own, silently), which the warning says.
+    with pytest.warns(UserWarning, match=r"start_method='fork'.*broadcast_master_param"), \
+            pytest.raises(ValueError, match=r"join=False\) is not supported"):
+        xmp.spawn(print, nprocs=2, join=False, start_method="fork")
 
 
 def test_xla_fsdp_is_xshard_fsdp_over_every_device():

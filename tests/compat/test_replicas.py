@@ -92,6 +92,10 @@ def test_reduce_scatter_all_to_all_permute_broadcast(api):
                                   (a[0] if r == 1 else torch.zeros(4, 2)).tolist(),
                                   2.0 if r == 0 else 0.0]
         assert res["broadcast"] == [a[1].tolist(), [0, 2, 4], True]
+    # broadcast_master_param: replica 0's parameters and buffers on every replica.
+    assert results[0]["own_param"] != results[1]["own_param"]
+    assert results[1]["master_param"] == [results[0]["own_param"], [0.0, 0.0]]
+    assert results[0]["master_param"] == results[1]["master_param"]
 
 
 def test_optimizer_step_averages_gradients(api):

@@ -21,8 +21,8 @@ from tests.multihost.conftest import SCRIPTS, clean_env, launch, run_command
 pytestmark = pytest.mark.multihost
 
 
-def test_basics_positions_uploads_reads_shards_collectives():
-    run = launch("basics.py")
+def test_basics_positions_uploads_reads_shards_collectives(tmp_path):
+    run = launch("basics.py", str(tmp_path))
     assert run.returncode == 0, run.explain()
     results = run.results()
     assert sorted(results) == [0, 1], run.explain()
@@ -40,6 +40,7 @@ def test_basics_positions_uploads_reads_shards_collectives():
         assert r["shards"] == [[f"CPU:{p}", p, p + 1] for p in positions]
         assert r["load_local_ok"] and r["manual_ok"] and r["rng_agree"] and r["submesh_ok"]
         assert r["memory_keys"] == positions
+        assert r["xm_save_ok"] and r["rendezvous_ok"]
 
 
 def test_equivalence_with_one_process_fsdp_and_2d(tmp_path):

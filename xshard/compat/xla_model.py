@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 
 import xshard
 from xshard.compat import _world, collectives
-from xshard.core import api, rng, runtime
+from xshard.core import api, distributed, rng, runtime
 
 REDUCE_SUM = "sum"
 REDUCE_MUL = "mul"
@@ -481,6 +481,17 @@ def collective_broadcast(tensors, root_ordinal: int = 0, groups=None,
             api.write(t, node)
 
 
+def broadcast_master_param(model: torch.nn.Module) -> None:
+    """Sets every parameter and buffer of ``model`` to replica 0's (each replica builds its own
+    model: one initialised without a seed differs between them).
+
+    Example:
+        >>> xm.broadcast_master_param(model)   # doctest: +SKIP
+    """
+    collective_broadcast(list(model.parameters()) + list(model.buffers()))
+    mark_step()
+
+
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
     """Averages the gradients of ``optimizer``'s parameters across the replicas (a sum times
     1/world size, one collective per dtype). Nothing happens with one replica."""
@@ -536,6 +547,10 @@ def rendezvous(tag: str, payload: bytes = b"", replicas=()) -> list:
                                   f"replicas can meet; pass replicas=().")
     xshard.sync()
     if n == 1:
+        if distributed.num_processes() > 1:
+            # One program over several processes (python -m xshard.launch): one replica, whose
+            # processes still meet (a file process 0 wrote is there for all after the meeting).
+            collectives.exchange_objects(str(tag), b"")
         return [bytes(payload)]
     return collectives.exchange_objects(str(tag), bytes(payload))
 
@@ -593,9 +608,12 @@ def save(data, file_or_path, master_only: bool = True, global_master: bool = Fal
         >>> torch.load("model.pt")                     # plain CPU tensors  # doctest: +SKIP
     """
     should_write = is_master_ordinal(local=not global_master) if master_only else True
+    # Every process reads, as torch_xla's save does: in one program over several processes a
+    # read of a sharded value is a collective all of them take part in.
+    cpu = _to_cpu(data)
     if should_write:
-        torch.save(_to_cpu(data), file_or_path)
-    if _world.world_size() > 1:
+        torch.save(cpu, file_or_path)
+    if _world.world_size() > 1 or distributed.num_processes() > 1:
         rendezvous("torch_xla.core.xla_model.save")
 
 
@@ -702,6 +720,7 @@ __all__ = ["REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", 
            "get_ordinal", "get_local_ordinal", "is_master_ordinal", "master_print",
            "add_step_closure", "mark_step", "wait_device_ops", "optimization_barrier_",
            "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute",
-           "collective_broadcast", "reduce_gradients", "optimizer_step", "rendezvous",
+           "collective_broadcast", "broadcast_master_param", "reduce_gradients",
+           "optimizer_step", "rendezvous",
            "mesh_reduce", "do_on_ordinals", "save", "get_rng_state", "set_rng_state",
            "RateTracker"]

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import types
+import warnings
 
 from xshard import launch
 from xshard.compat import _world, hook
@@ -137,7 +138,8 @@ def spawn(fn, args=(), nprocs: int | None = None, join: bool = True, daemon: boo
         join: must be True (spawn waits for the processes).
         daemon: accepted (the processes never outlive this one).
         start_method: ``'spawn'``, ``'fork'`` or ``'forkserver'``: every process starts fresh,
-            as with ``'spawn'``.
+            as with ``'spawn'`` (``'fork'`` warns: nothing the parent built after its imports,
+            a model included, reaches the replicas).
 
     Returns:
         ``fn``'s result with ``nprocs=1``; otherwise None.
@@ -155,6 +157,14 @@ def spawn(fn, args=(), nprocs: int | None = None, join: bool = True, daemon: boo
                         f"{type(args).__name__}; write args=(value,).")
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method={start_method!r}; valid: {list(_START_METHODS)}.")
+    if start_method == "fork" and nprocs != 1:
+        warnings.warn(
+            "xmp.spawn(start_method='fork'): xshard.compat starts every replica fresh, as with "
+            "'spawn': what this process built after its imports (a model at module level, "
+            "globals its main block set) does not reach the replicas, which build their own. "
+            "Seed their initialisation (torch.manual_seed) or call "
+            "xm.broadcast_master_param(model) in fn so that every replica starts from the same "
+            "weights.", stacklevel=2)
     if not join:
         raise ValueError("xmp.spawn(join=False) is not supported: spawn waits for its "
                          "processes. Run it in a thread if the caller must go on.")

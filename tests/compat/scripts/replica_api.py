@@ -93,6 +93,13 @@ def _mp_fn(index, out_dir):
     sent = [a.to(dev), torch.arange(3).to(dev) * r, torch.tensor(index == 1).to(dev)]
     xm.collective_broadcast(sent, root_ordinal=1)
     out["broadcast"] = [t.cpu().tolist() for t in sent]
+    torch.manual_seed(index)  # each replica's own initialisation
+    built = torch.nn.Linear(3, 2)
+    built.register_buffer("count", torch.full((2,), float(index)))
+    built = built.to(dev)
+    out["own_param"] = built.weight.cpu().tolist()
+    xm.broadcast_master_param(built)
+    out["master_param"] = [built.weight.cpu().tolist(), built.count.cpu().tolist()]
     # Host exchanges.
     out["rendezvous"] = [p.decode() for p in xm.rendezvous("api", f"from {index}".encode())]
     out["mesh_reduce"] = xm.mesh_reduce("api", torch.tensor([float(r)]).to(dev),

@@ -1,5 +1,7 @@
 """2 processes x 4 CPU devices: initialize, positions, uploads, reads, local shards, collectives."""
 
+import os
+import sys
 import time
 
 import numpy as np
@@ -76,6 +78,25 @@ def main():
     got = layer(inputs.to(dev)).square().sum().item()
     want = reference(inputs).square().sum().item()
     out["submesh_ok"] = abs(got - want) <= 1e-4 * abs(want)
+
+    # The classic API's one program over both processes: xm.save writes from process 0 and the
+    # processes meet after it, as they do at xm.rendezvous (each went on alone: process 1 read
+    # the file before process 0 had written it).
+    from xshard.compat import xla_model as xm
+
+    path = os.path.join(sys.argv[1], "xm_save.pt")
+    if rank == 1:
+        time.sleep(0.5)  # would read first without the meeting
+    xm.save({"step": 2, "w": x}, path)
+    saved = torch.load(path)
+    out["xm_save_ok"] = saved["step"] == 2 and bool(torch.equal(saved["w"], expected))
+    flag = path + ".flag"
+    if rank == 0:
+        time.sleep(0.5)
+        with open(flag, "w") as f:
+            f.write("done")
+    xm.rendezvous("flag written")
+    out["rendezvous_ok"] = os.path.exists(flag)
 
     # Memory figures: local devices, by position.
     out["memory_keys"] = sorted(xshard.memory.live_bytes_per_device())
