@@ -500,18 +500,22 @@ def test_settings_read_through_objects():
             losses.append(step(x.to(device), y.to(device)).item())
         return losses, [p.detach().cpu() for p in model.parameters()], step
 
-    cpu, dev = run("cpu", False), run(DEV, True)
+    _assert_recorded_for(run("cpu", False), run(DEV, True), len(changes), [
+        "CFG.scale: ", "CFG.weights['kl']: 1.0 -> 0.5", "_Trainer.schedule[0]: 1.0 -> 3.0",
+        "_Trainer.cfg.clip: 10.0 -> 0.01", "_Configured.cfg.temperature: 1.0 -> 4.0",
+        "offset[0]: 0.0 -> 2.0"])
+
+
+def _assert_recorded_for(cpu, dev, traces: int, reasons: list) -> None:
+    """``(losses, parameters, step)`` of eager and compiled runs: the same losses and parameters,
+    and the compiled step recorded ``traces`` times, for ``reasons`` (one part of each)."""
     torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(cpu[1], dev[1]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    reasons = dev[2].retrace_reasons
-    assert dev[2].traces == len(changes), reasons
-    for want, got in zip(["CFG.scale: ",
-                          "CFG.weights['kl']: 1.0 -> 0.5", "_Trainer.schedule[0]: 1.0 -> 3.0",
-                          "_Trainer.cfg.clip: 10.0 -> 0.01",
-                          "_Configured.cfg.temperature: 1.0 -> 4.0", "offset[0]: 0.0 -> 2.0"],
-                         reasons):
-        assert want in got, reasons
+    got = dev[2].retrace_reasons
+    assert dev[2].traces == traces, got
+    for want, reason in zip(reasons, got):
+        assert want in reason, got
 
 
 FLAGS = []  # a global list of settings (test_settings_computed_from_containers)
@@ -531,7 +535,7 @@ def test_settings_computed_from_containers():
         scales = [1.0, 2.0]
         default_cfg, default_ns = {"w": 1.0}, types.SimpleNamespace(w=1.0)
 
-        def train_step(x, y, cfg=default_cfg, ns=default_ns, options=()):
+        def train_step(x, y, cfg=default_cfg, ns=default_ns):
             loss = model(x, y) * (2.0 if "double" in flags else 1.0) * weights.get("w", 0.0)
             loss = loss * scales[i] * cfg["w"] * ns.w * (0.5 if "half" in FLAGS else 1.0)
             loss.backward()
@@ -550,17 +554,10 @@ def test_settings_computed_from_containers():
             losses.append(step(x.to(device), y.to(device)).item())
         return losses, [p.detach().cpu() for p in model.parameters()], step
 
-    cpu, dev = run("cpu", False), run(DEV, True)
-    torch.testing.assert_close(dev[0], cpu[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(cpu[1], dev[1]):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    reasons = dev[2].retrace_reasons
-    assert dev[2].traces == 7, reasons
-    for want, got in zip(["closure variable 'flags' (contents): () -> ('double',)",
-                          "closure variable 'weights' (contents)", "closure variable 'scales'",
-                          "cfg['w']: 1.0 -> 4.0", "ns.w: 1.0 -> 2.0",
-                          "global 'FLAGS' (contents): () -> ('half',)"], reasons):
-        assert want in got, reasons
+    _assert_recorded_for(run("cpu", False), run(DEV, True), 7, [
+        "closure variable 'flags' (contents): () -> ('double',)",
+        "closure variable 'weights' (contents)", "closure variable 'scales'",
+        "cfg['w']: 1.0 -> 4.0", "ns.w: 1.0 -> 2.0", "global 'FLAGS' (contents): () -> ('half',)"])
 
 
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])
