@@ -292,7 +292,9 @@ def mutate(func, f, args, kwargs):
         else:
             # Defaults made explicit pick the matching overload: bernoulli_(p=0.5) -> bernoulli.p.
             result = functional(*_with_defaults(func, args), **kwargs)
-        if len(f.written) > 1:  # (``_fused_adam_``: each list it updates, in order)
+        if len(f.written) > 1 and isinstance(result, tuple) and len(result) == len(f.written):
+            # ``_fused_adam_``: each list it updates, in order (``rrelu_with_noise``, whose
+            # "functional" form writes its noise itself, returns one tensor)
             for name, new in zip(f.written, result):
                 _write_results(bound[name], new)
             return None
