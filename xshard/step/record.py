@@ -644,7 +644,7 @@ class Recording:
         distinct = {id(leaf): id(api.storage(leaf)) for leaf in leaves
                     if api.is_device_tensor(leaf)}
         returned_storages = Counter(distinct.values())
-        shared_output = {}  # id(storage) -> output position
+        shared_output = {}  # id(storage) -> output position of its data
         first = {}  # id(leaf) -> its place in the results
         returns = []
         for leaf in leaves:
@@ -659,20 +659,16 @@ class Recording:
                 returns.append(("view", exit_storage[id(api.storage(leaf))], api.view_spec(leaf)))
             elif api.is_device_tensor(leaf):
                 storage = api.storage(leaf)
-                if returned_storages[id(storage)] == 1:
-                    accounted.add(id(storage))
-                    self.returned.append(weakref.ref(storage))
-                    pairs.append((api.value(leaf), None))
-                    returns.append(("new", len(pairs) - 1, (tuple(leaf.shape), leaf.dtype, None)))
-                    continue
+                shared = returned_storages[id(storage)] > 1
                 if id(storage) not in shared_output:
                     accounted.add(id(storage))
                     self.returned.append(weakref.ref(storage))
-                    pairs.append((api.storage_value(storage), None))
+                    # Alone, just its value; shared, its storage's (each leaf a view of it)
+                    pairs.append((api.storage_value(storage) if shared else api.value(leaf), None))
                     shared_output[id(storage)] = len(pairs) - 1
-                whole = pairs[shared_output[id(storage)]][0]
+                node = pairs[shared_output[id(storage)]][0]
                 returns.append(("new", shared_output[id(storage)],
-                                (whole.shape, whole.dtype, api.view_spec(leaf))))
+                                (node.shape, node.dtype, api.view_spec(leaf) if shared else None)))
             else:
                 returns.append(("value", leaf, None))
         return returns

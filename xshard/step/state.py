@@ -352,17 +352,15 @@ def find_roots(fn, extra=()) -> Roots:
                 visit(value)
             elif not is_setting(value):
                 roots.add(value, depth=1, name=name)
-        defaults = dict(zip(code.co_varnames[code.co_argcount - len(f.__defaults__ or ()):
-                                             code.co_argcount], f.__defaults__ or ()))
-        defaults.update(f.__kwdefaults__ or {})
-        for name, value in defaults.items():  # ``def step(x, model=model)``
+        for name, where in _default_names(f).items():  # ``def step(x, model=model)``
+            value = _default(f, *where)
             if api.is_device_tensor(value):
                 roots.tensors.append((value, f"default argument {name!r}"))
             elif not is_setting(value):
                 roots.add(value, depth=1, name=name)
                 if type(value) in (list, dict):
-                    roots.reach(_Call(partial(_default, f, *_default_names(f)[name])), None,
-                                value, f"default argument {name!r}")
+                    roots.reach(_Call(partial(_default, f, *where)), None, value,
+                                f"default argument {name!r}")
         for kind in ("__defaults__", "__kwdefaults__"):
             roots.reach(_AttributeReader(f), kind, getattr(f, kind), f"{f.__name__}.{kind}")
         reach_globals(f, code)
