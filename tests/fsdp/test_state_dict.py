@@ -76,3 +76,40 @@ def test_model_loaded_on_a_4_device_mesh_computes_like_cpu(saved):
     x, y = batches(1)[0]
     loss = model(x.to(xshard.device()), y.to(xshard.device()))
     torch.testing.assert_close(loss.cpu(), reference(x, y).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_load_with_assign_keeps_the_sharded_parameters(saved):
+    model = FSDP(gpt(seed=11, cfg=SMALL), auto_wrap_policy=POLICIES["transformer"])
+    weight = model.blocks[0].mlp.fc.weight
+    model.load_state_dict(saved["full"], assign=True)
+    assert model.blocks[0].mlp.fc.weight is weight
+    assert xs.get_sharding_spec(weight) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    assert_same(model.state_dict(), saved["reference"])
+    half = {k: v.to(torch.bfloat16) for k, v in saved["full"].items()}
+    with pytest.raises(ValueError, match=r"assign=True\): 'wte.weight' is torch.bfloat16 in the "
+                                         r"state dict and torch.float32 in the module"):
+        model.load_state_dict(half, assign=True)
+
+
+def test_buffers_kept_in_buffer_dtype_are_saved_in_their_own():
+    """MixedPrecision(buffer_dtype=...) keeps buffers in that dtype; the full state dict holds
+    them in the dtype they had, as PyTorch's FSDP's, and loads back (assign=True too)."""
+    from xshard.fsdp import MixedPrecision
+
+    def net():
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+        module[1].running_mean.uniform_()
+        return module
+
+    plain = net()
+    model = FSDP(net(), mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16))
+    assert model[1].running_mean.dtype == torch.bfloat16
+    state = model.state_dict()
+    assert state["1.running_mean"].dtype == torch.float32
+    assert state["1.num_batches_tracked"].dtype == torch.int64
+    torch.testing.assert_close(state["1.running_mean"],
+                               plain[1].running_mean.to(torch.bfloat16).float())
+    model.load_state_dict(state, assign=True)
+    assert model[1].running_mean.dtype == torch.bfloat16
+    plain.load_state_dict(state)

@@ -154,6 +154,12 @@ class FSDP:
         self._fsdp_order_by_data = False
         _agree_initial_values(self, sync_module_states)
         self._fsdp_on_dim_0 = shard_param_on_dim_0
+        # The dtypes buffers had before MixedPrecision.buffer_dtype cast them, by name: a full
+        # state dict holds them in these (as PyTorch's FSDP).
+        self._fsdp_buffer_dtypes = {} if mixed_precision is None or \
+            mixed_precision.buffer_dtype is None else {
+                name: b.dtype for name, b in self.named_buffers()
+                if b.is_floating_point() and b.dtype != mixed_precision.buffer_dtype}
         _shard_parameters(self, mesh, shard_param_on_dim_0, mixed_precision)
         owned: set = set()
         self._fsdp_units = []
@@ -222,7 +228,12 @@ class FSDP:
             >>> if xshard.is_main_process():
             ...     torch.save(state, "model.pt")
         """
-        return full_state_dict(self, super().state_dict(*args, **kwargs), rank0_only=rank0_only)
+        state = full_state_dict(self, super().state_dict(*args, **kwargs), rank0_only=rank0_only)
+        prefix = kwargs.get("prefix", "")
+        for name, dtype in self._fsdp_buffer_dtypes.items():
+            if prefix + name in state:
+                state[prefix + name] = state[prefix + name].to(dtype)
+        return state
 
     def sharded_state_dict(self) -> dict:
         """Each parameter/buffer as this process's local shards (CPU) plus what is needed to
@@ -231,8 +242,28 @@ class FSDP:
         return sharded_state_dict(self, nn.Module.state_dict(self))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads a full or a sharded state dict, saved on any number of devices."""
-        return super().load_state_dict(to_full(state_dict), strict=strict)
+        """Loads a full or a sharded state dict, saved on any number of devices.
+
+        The values are copied into FSDP's sharded parameters and buffers, which keep their
+        placement; so ``assign=True`` (take the state dict's tensors themselves) gives the same
+        module, and is refused where an entry's dtype differs from the module's (the one thing
+        it would change).
+        """
+        state_dict = to_full(state_dict)
+        if assign:
+            own = dict(itertools.chain(self.named_parameters(remove_duplicate=False),
+                                       self.named_buffers(remove_duplicate=False)))
+            for key, value in state_dict.items():
+                mine = own.get(key)
+                if isinstance(value, torch.Tensor) and mine is not None and value.dtype not in (
+                        mine.dtype, self._fsdp_buffer_dtypes.get(key)):
+                    raise ValueError(
+                        f"FSDP.load_state_dict(assign=True): {key!r} is {value.dtype} in the "
+                        f"state dict and {mine.dtype} in the module. FSDP copies values into its "
+                        f"sharded parameters, so it cannot take the state dict's dtype: cast the "
+                        f"state dict (or the model before wrapping it), or pass assign=False to "
+                        f"convert on copy.")
+        return super().load_state_dict(state_dict, strict=strict)
 
 
 def _resolve_mesh(mesh: Mesh | None) -> Mesh:
