@@ -81,6 +81,105 @@ def test_mark_step_runs_the_step_then_closures_in_order():
     xm.wait_device_ops()
 
 
+def test_compile_makes_the_code_one_step_in_every_form():
+    """torch_xla.compile: what came before is synced first, the code's ops are one step, synced
+    at the end (then the step closures); the values are eager's."""
+    x = torch.arange(6.0).reshape(2, 3)
+    before = x.to(DEV) * 3
+
+    def f(t):
+        assert api.settled(before)  # synced on entry
+        return (t.sin() @ t.T).relu()
+
+    expected = (x.sin() @ x.T).relu()
+    for compiled in (torch_xla.compile(f), torch_xla.compile()(f), torch_xla.compile(f, name="g")):
+        got = compiled(x.to(DEV))
+        assert api.settled(got) and torch.allclose(got.cpu(), expected)
+        before = x.to(DEV) * 3
+    seen = []
+    with torch_xla.compile():
+        y = x.to(DEV).cos()
+        xm.add_step_closure(lambda: seen.append(api.settled(y)))
+    assert seen == [True] and torch.allclose(y.cpu(), x.cos())
+    with torch_xla.step():
+        z = y + 1
+    assert api.settled(z)
+
+
+def test_compile_names_its_programs():
+    from xshard.core import trace
+
+    torch_xla.compile(lambda t: t * 5 + 1, name="my step")(torch.ones(7, 5).to(DEV))
+    assert trace._last_name.startswith("xshard_my_step_")
+
+
+def test_compile_full_graph_refuses_what_would_run_early():
+    x = torch.arange(4.0).to(DEV)
+
+    def reads(t):
+        return (t * 2).sum().item()
+
+    def prints(t):
+        print(t + 1)
+
+    def syncs(t):
+        t = t * 2
+        xm.mark_step()
+        return t
+
+    def falls_back(t):
+        return torch.linalg.eig(t.reshape(2, 2))
+
+    for f, what in ((reads, r"\.item\(\)"), (prints, "print"), (syncs, "a sync"),
+                    (falls_back, "linalg_eig.* no lowering rule")):
+        with pytest.raises(RuntimeError, match=rf"full_graph=True\): .*{what}.* at "
+                                               rf".*test_compat_api.py:\d+"):
+            torch_xla.compile(f, full_graph=True)(x)
+    assert torch_xla.compile(reads)(x) == 12.0  # full_graph=False lets it run
+    out = torch_xla.compile(lambda t: t.exp(), full_graph=True)(x)
+    assert torch.allclose(out.cpu(), torch.arange(4.0).exp())
+
+
+def test_compile_max_different_graphs():
+    f = torch_xla.compile(lambda t: t.tanh() * 2, max_different_graphs=1)
+    for _ in range(3):
+        assert torch.allclose(f(torch.ones(3).to(DEV)).cpu(), torch.ones(3).tanh() * 2)
+    with pytest.raises(RuntimeError, match="max_different_graphs=1, but it has run 2 different"):
+        f(torch.ones(4).to(DEV))
+    with pytest.raises(ValueError, match="max_different_graphs=0.*positive int"):
+        torch_xla.compile(max_different_graphs=0)
+
+
+def test_fork_rng_puts_the_stream_back():
+    xm.set_rng_state(7)
+    first = torch.rand(3, device=DEV).cpu()
+    xm.set_rng_state(7)
+    with xm.fork_rng():
+        inside = torch.rand(3, device=DEV).cpu()
+        torch.rand(5, device=DEV)
+    assert torch.equal(torch.rand(3, device=DEV).cpu(), first) and torch.equal(inside, first)
+    xm.set_rng_state(7)
+    with xm.fork_rng(enabled=False):
+        torch.rand(3, device=DEV)
+    assert not torch.equal(torch.rand(3, device=DEV).cpu(), first)
+
+
+def test_get_memory_info_counts_live_buffers():
+    empty = xm.get_memory_info()
+    big = torch.zeros(8, 1 << 16).to(DEV)  # replicated: 2 MiB on every device
+    info = xm.get_memory_info(DEV)
+    assert set(info) >= {"bytes_used", "bytes_limit"}
+    assert info["bytes_used"] - empty["bytes_used"] >= 8 << 18
+    assert info["bytes_used"] < info["bytes_limit"]
+    del big
+
+
+def test_do_on_ordinals_hands_cpu_tensors():
+    w = torch.arange(3.0).to(DEV) + 1
+    got = xm.do_on_ordinals(lambda t, n: (t.device.type, t.tolist(), n), (w, 2))
+    assert got == ("cpu", [1.0, 2.0, 3.0], 2)
+
+
 def test_optimizer_step_is_the_step_with_one_replica():
     torch.manual_seed(0)
     cpu = torch.nn.Linear(4, 3)

@@ -34,9 +34,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import xshard
 from xshard.compat import runtime, xla_model  # noqa: F401  (torch_xla.runtime after import)
+from xshard.core import capture, trace
+from xshard.step import errors
 
 __version__ = "2.9.0+xshard"
 
@@ -61,13 +64,117 @@ def sync(wait: bool = False, reset_scope: bool = True) -> None:
     xla_model.mark_step(wait=wait, reset_scope=reset_scope)
 
 
-@contextlib.contextmanager
+class _Region:
+    """What ``torch_xla.compile`` returns: a context manager and decorator around code whose ops
+    make one step (see ``compile``). Its graph count spans every entry of this object."""
+
+    def __init__(self, name, full_graph: bool, max_different_graphs):
+        if max_different_graphs is not None and (
+                not isinstance(max_different_graphs, int) or max_different_graphs < 1):
+            raise ValueError(f"torch_xla.compile(max_different_graphs={max_different_graphs!r}): "
+                             f"give a positive int, or None for no limit.")
+        self.name = name
+        self.full_graph = bool(full_graph)
+        self.max_different_graphs = max_different_graphs
+        self.graphs: set = set()  # keys of the graphs run inside, over every entry
+        self._open: list = []
+
+    def __call__(self, f):
+        @functools.wraps(f)
+        def compiled(*args, **kwargs):
+            with self:
+                return f(*args, **kwargs)
+
+        return compiled
+
+    def __enter__(self):
+        region = self._region()
+        region.__enter__()
+        self._open.append(region)
+        return self
+
+    def __exit__(self, *exc):
+        return self._open.pop().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def _region(self):
+        sync()  # what came before is its own step
+        with contextlib.ExitStack() as stack:
+            if self.name:
+                stack.enter_context(trace.naming(self.name))
+            if self.max_different_graphs is not None:
+                trace.GRAPH_WATCHERS.append(self.graphs.add)
+                stack.callback(trace.GRAPH_WATCHERS.remove, self.graphs.add)
+            try:
+                if self.full_graph:
+                    with capture.capturing(_OneGraph(self.name)):
+                        yield
+                else:
+                    yield
+            finally:
+                sync()
+        if self.max_different_graphs is not None and \
+                len(self.graphs) > self.max_different_graphs:
+            raise RuntimeError(
+                f"torch_xla.compile({self.name}): max_different_graphs="
+                f"{self.max_different_graphs}, but it has run {len(self.graphs)} different graphs "
+                f"(this call's results are computed). A new graph comes from new input shapes or "
+                f"dtypes, or Python control flow taking another path: pad or bucket the inputs, "
+                f"or raise the limit.")
+
+
+class _OneGraph:
+    """The capture owner of ``torch_xla.compile(full_graph=True)``: nothing may run before the
+    region ends."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def _refuse(self, what: str):
+        raise RuntimeError(
+            f"torch_xla.compile({self.name}, full_graph=True): {what} at {errors.user_line()} "
+            f"would run part of the graph before the function ends, which full_graph=True "
+            f"forbids. Move it after the call, or pass full_graph=False.")
+
+    def on_read(self, what: str, tensor) -> bool:
+        self._refuse(what)
+
+    def on_fallback(self, op) -> None:
+        self._refuse(f"{op}, which has no lowering rule and runs on the CPU,")
+
+    def on_sync(self) -> None:
+        self._refuse("a sync (xm.mark_step / torch_xla.sync)")
+
+
+def compile(f=None, full_graph: bool = False, name: str | None = None,
+            max_different_graphs: int | None = None):
+    """torch_xla's ``compile``: the ops of ``f`` (or of a ``with`` block) make one step, synced
+    before and after, as torch_xla does. It is the lazy path, traced on every call; for a step
+    traced once and replayed without Python, use ``xshard.compile``.
+
+    Args:
+        f: the function; None returns a context manager that is also a decorator.
+        full_graph: refuse, naming the line, anything that would run part of the graph before
+            the end (``.item()``, printing a tensor, an op without a lowering rule, a sync).
+        name: the name of the programs compiled inside (default: ``f.__name__``).
+        max_different_graphs: raise once the code inside has run more different graphs than
+            this (new input shapes, another control-flow path), after the call's step has run.
+
+    Example:
+        >>> step = torch_xla.compile(train_step, full_graph=True)   # doctest: +SKIP
+        >>> with torch_xla.compile():                                # doctest: +SKIP
+        ...     loss = model(x).sum(); loss.backward(); opt.step()
+    """
+    if name is None and f is not None:
+        name = getattr(f, "__name__", None) or str(f)
+    region = _Region(name, full_graph, max_different_graphs)
+    return region if f is None else region(f)
+
+
 def step():
-    """Context manager ending the step on exit (``with torch_xla.step(): ...``)."""
-    try:
-        yield
-    finally:
-        sync()
+    """Context manager making its block one step (``torch_xla.compile()``): syncs on entry and on
+    exit."""
+    return compile()
 
 
 def manual_seed(seed: int, device=None) -> None:
@@ -89,11 +196,8 @@ def __getattr__(name: str):
         raise AttributeError("torch_xla._XLAC (torch_xla's C++ bindings) does not exist in "
                              "xshard.compat; use xshard.metrics, xshard.debug and "
                              "torch_xla.core.xla_model.")
-    if name == "compile":
-        raise AttributeError("torch_xla.compile is not provided by xshard.compat; use "
-                             "xshard.compile(step) to trace a step once.")
     raise AttributeError(f"module 'torch_xla' (xshard.compat) has no attribute {name!r}")
 
 
-__all__ = ["device", "devices", "device_count", "sync", "step", "manual_seed", "launch",
-           "runtime", "xla_model", "__version__"]
+__all__ = ["device", "devices", "device_count", "sync", "step", "compile", "manual_seed",
+           "launch", "runtime", "xla_model", "__version__"]

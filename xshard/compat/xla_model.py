@@ -16,8 +16,10 @@ Example (the classic recipe, unchanged):
 
 from __future__ import annotations
 
+import contextlib
 import io
 import numbers
+import os
 import struct
 import sys
 import time
@@ -26,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import xshard
+from xshard import memory
 from xshard.compat import _world, collectives
 from xshard.core import api, distributed, rng, runtime
 
@@ -571,8 +574,13 @@ def mesh_reduce(tag: str, data, reduce_fn):
 
 
 def do_on_ordinals(target, data=(), ordinals=(0,)):
-    """Runs ``target(*data)`` on the replicas in ``ordinals``, then waits for every replica."""
-    result = target(*data) if get_ordinal() in ordinals else None
+    """Runs ``target(*data)`` on the replicas in ``ordinals``, with ``data``'s tensors moved to
+    CPU, then waits for every replica. Returns ``target``'s result there, None elsewhere.
+
+    Example:
+        >>> xm.do_on_ordinals(lambda w: print(w.sum()), (model.weight,))   # doctest: +SKIP
+    """
+    result = target(*_to_cpu(data)) if get_ordinal() in ordinals else None
     rendezvous("torch_xla.core.xla_model.do_on_ordinals")
     return result
 
@@ -640,6 +648,59 @@ def set_rng_state(seed: int, device=None) -> None:
         raise ValueError(f"set_rng_state needs a non-negative int seed, got {seed!r}.")
     state = struct.pack("<QQ", seed & rng.MASK, (seed >> 64) & rng.MASK)
     rng.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+@contextlib.contextmanager
+def fork_rng(device=None, enabled: bool = True):
+    """Context manager: random ops inside draw from the device stream, which is put back as it
+    was on exit, so the code after it draws what it would have drawn without the block.
+
+    Args:
+        device: None or this process's device.
+        enabled: False makes it do nothing (to switch it off without re-indenting).
+
+    Example:
+        >>> with xm.fork_rng():
+        ...     noise = torch.randn(4, device=xm.xla_device())   # the outer stream is untouched
+    """
+    if not enabled:
+        yield
+        return
+    state = get_rng_state(device)
+    try:
+        yield
+    finally:
+        set_rng_state(state, device)
+
+
+def get_memory_info(device=None) -> dict:
+    """Memory of the busiest of this process's physical devices behind ``xshard:0``, in bytes.
+
+    Returns a dict with ``bytes_used`` and ``bytes_limit``, and ``peak_bytes_used`` where the
+    runtime keeps a peak (GPU and TPU do). Pending work is dispatched first. On CPU devices, which
+    report nothing, ``bytes_used`` counts the buffers of live xshard tensors on the device
+    (``xshard.memory.live_bytes_per_device``) and ``bytes_limit`` is the host's memory shared
+    evenly among its devices.
+
+    Example:
+        >>> info = xm.get_memory_info()
+        >>> info["bytes_used"] <= info["bytes_limit"]
+        True
+    """
+    _check_device(device)
+    xshard.sync()
+    devices = runtime.local_devices()
+    stats = [d.memory_stats() for d in devices]
+    if all(s is not None for s in stats):
+        busiest = max(stats, key=lambda s: s.get("bytes_in_use", 0))
+        info = {"bytes_used": int(busiest.get("bytes_in_use", 0)),
+                "bytes_limit": int(busiest.get("bytes_limit", 0))}
+        if "peak_bytes_in_use" in busiest:
+            info["peak_bytes_used"] = int(busiest["peak_bytes_in_use"])
+        return info
+    used = memory.live_bytes_per_device()
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"bytes_used": max(used.values(), default=0), "bytes_limit": host // len(devices)}
 
 
 # -- throughput ------------------------------------------------------------------------------------
@@ -723,4 +784,4 @@ __all__ = ["REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", 
            "collective_broadcast", "broadcast_master_param", "reduce_gradients",
            "optimizer_step", "rendezvous",
            "mesh_reduce", "do_on_ordinals", "save", "get_rng_state", "set_rng_state",
-           "RateTracker"]
+           "fork_rng", "get_memory_info", "RateTracker"]

@@ -254,9 +254,16 @@ _EXECUTABLE_NAMES = weakref.WeakKeyDictionary()  # jax Compiled -> the name its 
 _runs = itertools.count(1)
 
 
+# Callables told the key of every graph about to run (xshard.compat's torch_xla.compile counts
+# the different graphs a function runs).
+GRAPH_WATCHERS: list = []
+
+
 def cache_hit(graph, exe) -> None:
     """``exe`` (a cache entry) serves ``graph``: counted, and reported under XSHARD_DEBUG."""
     metrics.record_cache_hit()
+    for watch in GRAPH_WATCHERS:
+        watch(graph.key)
     if DEBUG:
         _report(graph, _EXECUTABLE_NAMES.get(exe.compiled, "?"), None)
 
@@ -265,6 +272,8 @@ def compiled(graph, exe, cause) -> None:
     """``exe`` was just compiled for ``graph``; ``cause`` says what differs from the nearest cached
     graph (None: nothing was cached)."""
     _EXECUTABLE_NAMES[exe.compiled] = _last_name
+    for watch in GRAPH_WATCHERS:
+        watch(graph.key)
     if DEBUG:
         _report(graph, _last_name, cause or "no graph was cached yet")
 
