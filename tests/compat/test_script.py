@@ -114,3 +114,37 @@ def test_one_process_equals_the_cpu_model(tmp_path):
     assert res["accuracy"] == res["accuracy_mean"] == sim["accuracies"][0]
     _assert_state(torch.load(tmp_path / "model.pt"), sim["states"][0], "model.pt")
     assert run.stdout.count("Finished training epoch") == 2
+
+
+_SETS_ITS_ENVIRONMENT = '''
+import os
+os.environ["PJRT_DEVICE"] = "CPU"
+os.environ["XSHARD_CPU_DEVICES"] = "4"
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+import xshard
+x = torch.arange(8.0, device=xm.xla_device())
+print("RESULT", xr.global_runtime_device_count(), xshard.device_count(), x.sum().item())
+'''
+
+
+def test_a_script_may_set_the_platform_at_its_top(tmp_path):
+    """``python -m xshard.compat`` imports xshard before the script's first line: the platform and
+    device count the script sets there are still the ones used (torch_xla reads them at first
+    use); set after JAX has started, they raise rather than be ignored."""
+    script = tmp_path / "sets_env.py"
+    script.write_text(_SETS_ITS_ENVIRONMENT)
+    run = run_command([sys.executable, "-m", "xshard.compat", str(script)], env=clean_env(),
+                      timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.explain()
+    assert "RESULT 4 4 28.0" in run.stdout, run.explain()
+    late = tmp_path / "late_env.py"
+    late.write_text("import jax\njax.devices()\n" + _SETS_ITS_ENVIRONMENT)
+    run = run_command([sys.executable, "-m", "xshard.compat", str(late)], env=clean_env(),
+                      timeout=120, cwd=tmp_path)
+    assert run.returncode != 0
+    assert re.search(r"RuntimeConfigError: The environment asks for PJRT_DEVICE='CPU', "
+                     r"XSHARD_CPU_DEVICES='4', but JAX started its backends before it was set "
+                     r"and runs 1 cpu device", run.stderr), run.explain()

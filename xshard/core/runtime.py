@@ -1,7 +1,7 @@
 """Which PJRT platform xshard runs on, how many devices it has, and JAX's start-up settings.
 
-This is the one place where xshard reads environment variables, and it reads them once, before JAX
-initialises its backends:
+This is the one place where xshard reads environment variables, before JAX initialises its
+backends (see [Note: when the environment is read]):
 
 - ``PJRT_DEVICE``: ``CPU``, ``CUDA`` (alias ``GPU``) or ``TPU``. Unset: the best platform JAX finds.
 - ``XSHARD_CPU_DEVICES``: how many virtual CPU devices the CPU platform exposes (default 1). The tests
@@ -37,9 +37,8 @@ class RuntimeConfigError(ValueError):
     """An environment variable that configures the runtime has a value xshard cannot use."""
 
 
-@functools.cache
 def _settings() -> tuple[str | None, int]:
-    """Reads and validates the environment once: (jax platform name or None, virtual CPU devices)."""
+    """Reads and validates the environment: (jax platform name or None, virtual CPU devices)."""
     raw_platform = os.environ.get("PJRT_DEVICE", "").strip()
     platform = None
     if raw_platform:
@@ -173,16 +172,49 @@ def debug_enabled() -> bool:
     return raw == "1"
 
 
+# [Note: when the environment is read]
+# JAX is imported and configured when xshard is imported (the lowering rules need the module), and
+# PJRT_DEVICE / XSHARD_CPU_DEVICES are read then. They are read again when xshard first uses the
+# devices, and JAX's configuration follows any change made in between: a script run by
+# ``python -m xshard.compat``, which imports xshard before the script's first line, may still set
+# ``os.environ["PJRT_DEVICE"]`` at its top, as torch_xla (which reads it at first use) allows.
+_APPLIED: dict = {}
+
+
+def _configure(jax) -> None:
+    """Puts the environment's platform and CPU device count into JAX's configuration."""
+    settings = _settings()
+    if settings == _APPLIED.get("settings"):
+        return
+    platform, cpu_devices = settings
+    try:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+        if platform is not None:
+            jax.config.update("jax_platforms",
+                              platform if platform == "cpu" else f"{platform},cpu")
+    except Exception as error:  # noqa: BLE001  (JAX refuses once its backends have started)
+        local = jax.local_devices()
+        running = local[0].platform
+        if platform in (None, running) and (running != "cpu" or cpu_devices == len(local)):
+            _APPLIED["settings"] = settings  # what is asked is what runs
+            return
+        asked = ", ".join(f"{name}={os.environ.get(name)!r}"
+                          for name in ("PJRT_DEVICE", "XSHARD_CPU_DEVICES"))
+        raise RuntimeConfigError(
+            f"The environment asks for {asked}, but JAX started its backends before it was set "
+            f"and runs {len(local)} {running} device(s) here. Set these variables before the "
+            f"program first uses a device (or in the process's environment: "
+            f"PJRT_DEVICE=... python script.py). JAX said: {error}") from None
+    _APPLIED["settings"] = settings
+
+
 @functools.cache
 def _jax():
     """Imports and configures JAX exactly once, before any backend initialises."""
-    platform, cpu_devices = _settings()
     import jax
 
     jax.config.update("jax_enable_x64", True)
-    jax.config.update("jax_num_cpu_devices", cpu_devices)
-    if platform is not None:
-        jax.config.update("jax_platforms", platform if platform == "cpu" else f"{platform},cpu")
+    _configure(jax)
     return jax
 
 
@@ -225,6 +257,7 @@ def devices() -> tuple:
         A tuple of ``jax.Device``. Mesh device ids index into it.
     """
     jax = _jax()
+    _configure(jax)  # see [Note: when the environment is read]
     found = jax.local_devices() if _LOCAL_WORLD["on"] else jax.devices()
     return tuple(sorted(found, key=lambda d: d.id))
 
@@ -254,11 +287,13 @@ def local_devices() -> tuple:
 
 def process_index() -> int:
     """This process's index in a multi-process run (0 in a single-process run)."""
+    devices()  # starts the backends as configured
     return _jax().process_index()
 
 
 def process_count() -> int:
     """The number of processes in the run (1 unless ``initialize`` joined several)."""
+    devices()
     return _jax().process_count()
 
 
