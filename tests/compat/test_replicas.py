@@ -114,6 +114,8 @@ def test_optimizer_step_averages_gradients(api):
         torch.testing.assert_close(torch.tensor(res["grad_after"]), average)
         torch.testing.assert_close(torch.tensor(res["weight"]), weight)
     assert results[0]["weight"] == results[1]["weight"]  # bit for bit
+    for res in results.values():  # inside torch_xla.compile(full_graph=True)
+        assert res["compiled_weight"] == res["weight"]
 
 
 def test_loader_closures_save_rng(api):
@@ -139,6 +141,8 @@ def test_names_without_meaning_in_a_replica(api):
     assert errors["spawn"].startswith("RuntimeError: xmp.spawn was called inside a process")
     assert "one logical device per process" in errors["device_1"]
     assert errors["groups"].startswith("NotImplementedError: xm.all_reduce(groups=[[0], [1]])")
+    assert errors["full_graph"].startswith("RuntimeError: torch_xla.compile(<lambda>, "
+                                           "full_graph=True): reading a tensor's value")
 
 
 def _fail(mode: str):

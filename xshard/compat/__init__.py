@@ -145,6 +145,11 @@ class _OneGraph:
     def on_sync(self) -> None:
         self._refuse("a sync (xm.mark_step / torch_xla.sync)")
 
+    def lets_run(self, kind: str) -> bool:
+        # Between xmp.spawn replicas each xm collective is a program of its own: the step is
+        # then several graphs, as it must be, and is not refused.
+        return kind == "replica collective"
+
 
 def compile(f=None, full_graph: bool = False, name: str | None = None,
             max_different_graphs: int | None = None):

@@ -34,7 +34,7 @@ import functools
 import numpy as np
 import torch
 
-from xshard.core import api, divergence, runtime
+from xshard.core import api, capture, divergence, runtime
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -71,7 +71,8 @@ def _local_array(t: torch.Tensor):
     work first), with at least one dimension."""
     if api.is_view(t):
         t = t.clone()
-    array = api.array(t)
+    with capture.set_aside("replica collective"):  # torch_xla.compile(full_graph=True) lets it
+        array = api.array(t)
     local = array.addressable_data(0)
     return local.reshape(1) if local.ndim == 0 else local
 

@@ -47,6 +47,23 @@ def skips_sync() -> bool:
     return False
 
 
+@contextlib.contextmanager
+def set_aside(kind: str):
+    """Inside, the open capture is set aside (reads and syncs run) if its owner lets ``kind``
+    run (``owner.lets_run(kind)``); else nothing changes and the owner decides as usual.
+    ``kind``: ``"replica collective"`` (xshard.compat's collectives between ``xmp.spawn``
+    replicas, each a program of its own)."""
+    owner = _OPEN[-1] if _OPEN else None
+    if owner is None or not getattr(owner, "lets_run", lambda kind: False)(kind):
+        yield
+        return
+    _OPEN.pop()
+    try:
+        yield
+    finally:
+        _OPEN.append(owner)
+
+
 _ON_CLOSE: list = []
 
 

@@ -114,6 +114,18 @@ def _mp_fn(index, out_dir):
     xm.optimizer_step(opt, barrier=True)
     out["grad_after"] = model.weight.grad.cpu().tolist()
     out["weight"] = model.weight.detach().cpu().tolist()
+    # The same step as one torch_xla.compile(full_graph=True): its all-reduce may run.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch_xla.compile(full_graph=True)
+    def step(data):
+        model(data).square().mean().backward()
+        xm.optimizer_step(opt)
+
+    step(x.to(dev))
+    out["compiled_weight"] = model.weight.detach().cpu().tolist()
     # The loaders sync before each batch and run step closures.
     seen = []
     loader = pl.MpDeviceLoader([torch.ones(2) * k for k in range(3)], dev)
@@ -132,6 +144,8 @@ def _mp_fn(index, out_dir):
         "spawn": _error(lambda: xmp.spawn(_mp_fn, args=(out_dir,), nprocs=2)),
         "device_1": _error(lambda: xm.xla_device(1)),
         "groups": _error(lambda: xm.all_reduce(xm.REDUCE_SUM, f.to(dev), groups=[[0], [1]])),
+        "full_graph": _error(lambda: torch_xla.compile(lambda: f.to(dev).sum().item(),
+                                                       full_graph=True)()),
     }
     sys.stdout.write("RESULT " + json.dumps(out) + "\n")
     sys.stdout.flush()
