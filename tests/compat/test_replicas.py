@@ -182,3 +182,15 @@ def test_rendezvous_tags_must_agree():
     assert "RendezvousMismatchError: the replicas met at rendezvous with different tags " \
            "(process 0: 'tag 0'; process 1: 'tag 1')" in run.stderr, run.explain()
 
+
+
+def test_one_replica_per_cpu_device_when_no_platform_is_named():
+    """nprocs=None: one process per local device; on CPU with PJRT_DEVICE unset, the count is
+    XSHARD_CPU_DEVICES (the device-counting process has one device, like the replicas)."""
+    code = ("from xshard.compat import xla_multiprocessing as m; from xshard.core import runtime; "
+            "print('RESULT', m._nprocs(None), runtime.devices.cache_info().currsize)")
+    env = clean_env({"XSHARD_CPU_DEVICES": "3"})
+    env.pop("PJRT_DEVICE", None)
+    run = run_command([sys.executable, "-c", code], env=env, timeout=120)
+    assert run.returncode == 0, run.explain()
+    assert "RESULT (3, 'cpu') 0" in run.stdout, run.explain()

@@ -69,7 +69,9 @@ def _local_devices() -> tuple[str, int]:
     if out.returncode != 0:
         raise RuntimeError(f"xmp.spawn could not count the local devices: {out.stderr[-2000:]}")
     name, count = out.stdout.split()[-2:]
-    return name, int(count)
+    # The short-lived process had one CPU device (the replicas' environment); this one has
+    # XSHARD_CPU_DEVICES.
+    return name, cpu_devices if name == "cpu" else int(count)
 
 
 def _nprocs(nprocs) -> tuple[int, str | None]:
