@@ -49,9 +49,58 @@ def test_missing_modules_name_the_replacement(hooked):
     with pytest.raises(ModuleNotFoundError, match="xla_backend is not provided by xshard.compat"
                        ".*xm.optimizer_step"):
         import torch_xla.distributed.xla_backend  # noqa: F401
-    with pytest.raises(ModuleNotFoundError, match=r"torch_xla.utils is not provided .*"
-                       r"Provided: torch_xla, torch_xla.core.xla_model"):
+    with pytest.raises(ModuleNotFoundError, match=r"torch_xla.utils.utils is not provided by "
+                       r"xshard.compat: torch_xla's internal helpers"):
         import torch_xla.utils.utils  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match=r"torch_xla.distributed.spmd.api is not "
+                       r"provided .*Provided: torch_xla, torch_xla.amp"):
+        import torch_xla.distributed.spmd.api  # noqa: F401
+
+
+def test_modules_under_an_aliased_module(hooked):
+    """torch_xla.distributed.spmd stands for a plain module; the modules torch_xla has under it
+    are aliases too (they failed with "'torch_xla.distributed.spmd' is not a package")."""
+    import torch
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.distributed.spmd.xla_sharding as xla_sharding
+    from torch_xla.amp import syncfree
+    from torch_xla.distributed.spmd.debugging import visualize_tensor_sharding
+    from torch_xla.utils.checkpoint import checkpoint
+
+    import xshard.spmd
+
+    assert xla_sharding.mark_sharding is xs.mark_sharding is xshard.spmd.mark_sharding
+    assert visualize_tensor_sharding is xshard.spmd.visualize_tensor_sharding
+    assert checkpoint is torch.utils.checkpoint.checkpoint
+    assert syncfree.AdamW is torch.optim.AdamW
+
+
+def test_autocast_xla_means_xshard(hooked):
+    """Under the hook torch.autocast("xla") (torch_xla's documented form) autocasts xshard
+    tensors; PyTorch accepts "xla" without torch_xla and left them in float32, silently."""
+    import torch
+    from torch_xla.amp import GradScaler, autocast
+
+    import xshard
+
+    model = torch.nn.Linear(4, 3).to(xshard.device())
+    x = torch.randn(2, 4).to(xshard.device())
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
+    with torch.autocast(device_type="xla", dtype=torch.bfloat16, enabled=False):
+        assert model(x).dtype == torch.float32
+    with autocast(xshard.device()):
+        assert model(x).dtype == torch.bfloat16
+    scaler = GradScaler(init_scale=4.0, use_zero_grad=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().cpu()
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 4.0 and not torch.equal(model.weight.detach().cpu(), before)
+    hook.uninstall()
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.float32  # PyTorch's own again
 
 
 def test_uninstalled_forgets_the_aliases(hooked):

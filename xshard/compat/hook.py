@@ -34,6 +34,13 @@ ALIASES = {
     "torch_xla.experimental.spmd_fully_sharded_data_parallel": "xshard.compat.fsdp.spmd",
     "torch_xla.debug.profiler": "xshard.compat.profiler",
     "torch_xla.debug.metrics": "xshard.compat.metrics",
+    "torch_xla.distributed.spmd.xla_sharding": "xshard.compat.spmd",
+    "torch_xla.distributed.spmd.xla_sharded_tensor": "xshard.spmd.sharded_tensor",
+    "torch_xla.distributed.spmd.debugging": "xshard.spmd.debugging",
+    "torch_xla.experimental.xla_sharding": "xshard.compat.spmd",  # before torch_xla 2.3
+    "torch_xla.amp": "xshard.compat.amp",
+    "torch_xla.amp.syncfree": "xshard.compat.amp.syncfree",
+    "torch_xla.utils.checkpoint": "torch.utils.checkpoint",  # torch_xla's copy of it
 }
 
 # torch_xla modules with no counterpart here, and what to use instead.
@@ -44,7 +51,9 @@ REPLACEMENTS = {
         "SPMD program (xr.use_spmd(), xshard.spmd / xshard.fsdp)"),
     "torch_xla.core.xrt_run_server": "XRT is gone (PJRT replaced it); nothing needs starting",
     "torch_xla.core.xla_env_vars": "xshard reads PJRT_DEVICE and XSHARD_* variables only",
-    "torch_xla.amp": "use torch.autocast('xshard', dtype=torch.bfloat16)",
+    "torch_xla.utils.serialization": "save with xm.save(data, path) (CPU tensors, read by "
+                                     "torch.load) or xshard.checkpoint for sharded state",
+    "torch_xla.utils.utils": "torch_xla's internal helpers; use the standard library",
     "torch_xla.distributed.xla_multiprocessing_legacy":
         "use torch_xla.distributed.xla_multiprocessing",
 }
@@ -74,7 +83,10 @@ class _AliasLoader(importlib.abc.Loader):
             module.__path__ = []
             module.__doc__ = f"Made up by xshard.compat: holds {spec.name}'s modules."
             return module
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        if spec.submodule_search_locations is not None and not hasattr(module, "__path__"):
+            module.__path__ = []  # a plain module standing for a package: its modules are aliases
+        return module
 
     def exec_module(self, module):
         pass  # the target ran when it was imported
@@ -87,7 +99,10 @@ class TorchXlaFinder(importlib.abc.MetaPathFinder):
         if fullname != "torch_xla" and not fullname.startswith("torch_xla."):
             return None
         if fullname in ALIASES:
-            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(ALIASES[fullname]))
+            # An alias with aliased modules under it (torch_xla.distributed.spmd) is a package.
+            package = any(name.startswith(fullname + ".") for name in ALIASES)
+            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(ALIASES[fullname]),
+                                                  is_package=package)
         if fullname in _packages():
             return importlib.machinery.ModuleSpec(fullname, _AliasLoader(None), is_package=True)
         known = ", ".join(sorted(ALIASES))
@@ -104,9 +119,30 @@ class TorchXlaFinder(importlib.abc.MetaPathFinder):
 _FINDER = TorchXlaFinder()
 
 
+_TORCH_AUTOCAST: list = []  # torch.autocast before install() replaced it
+
+
+def _autocast_xla_means_xshard():
+    """``torch.autocast`` whose device type ``"xla"`` means ``"xshard"``: PyTorch accepts "xla"
+    without torch_xla, and it would leave xshard tensors in float32, silently."""
+    import torch
+
+    base = torch.amp.autocast
+
+    class autocast(base):
+        __doc__ = base.__doc__
+
+        def __init__(self, device_type, *args, **kwargs):
+            super().__init__("xshard" if device_type == "xla" else device_type, *args, **kwargs)
+
+    _TORCH_AUTOCAST.append(base)
+    torch.autocast = torch.amp.autocast = autocast
+
+
 def install() -> None:
-    """Puts the finder first on ``sys.meta_path`` (idempotent). Raises if a real ``torch_xla`` is
-    already imported in this process: the two cannot share the ``torch_xla`` names."""
+    """Puts the finder first on ``sys.meta_path`` (idempotent), and makes ``torch.autocast("xla")``
+    autocast xshard tensors. Raises if a real ``torch_xla`` is already imported in this process:
+    the two cannot share the ``torch_xla`` names."""
     if _FINDER in sys.meta_path:
         return
     loaded = sys.modules.get("torch_xla")
@@ -115,12 +151,17 @@ def install() -> None:
             "a real torch_xla is already imported in this process, so xshard.compat cannot stand "
             "for it; run the script with python -m xshard.compat script.py (a fresh process).")
     sys.meta_path.insert(0, _FINDER)
+    _autocast_xla_means_xshard()
 
 
 def uninstall() -> None:
     """Removes the finder and forgets the ``torch_xla`` modules it loaded (tests use this)."""
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
+    if _TORCH_AUTOCAST:
+        import torch
+
+        torch.autocast = torch.amp.autocast = _TORCH_AUTOCAST.pop()
     for name in [n for n in sys.modules if n == "torch_xla" or n.startswith("torch_xla.")]:
         module = sys.modules[name]
         if module.__name__.startswith("xshard.compat") or \
