@@ -423,9 +423,60 @@ def test_xla_fsdp_is_xshard_fsdp_over_every_device():
     assert free._fsdp_fenced == {"forward": False, "backward": True}  # torch_xla's option, here
     with pytest.raises(TypeError, match="unknown option 'colour'"):
         xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(2, 2), colour=1)
-    with pytest.raises(NotImplementedError, match="auto_wrapper_callable.*checkpoint_module"):
-        xfsdp.XlaFullyShardedDataParallel(torch.nn.Linear(2, 2), auto_wrapper_callable=print)
+    # torch_xla's recipe for checkpointing every unit
+    ckpt = xfsdp.XlaFullyShardedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)),
+        auto_wrap_policy=xfsdp.always_wrap_policy,
+        auto_wrapper_callable=lambda m, *a, **k: xfsdp.XlaFullyShardedDataParallel(
+            xfsdp.checkpoint_module(m), *a, **k))
+    assert ckpt[0]._xshard_checkpointed and ckpt[1]._xshard_checkpointed
     with pytest.raises(NotImplementedError, match="nested wrapping"):
         xfsdp.XlaFullyShardedDataParallel(torch.nn.Sequential(dev))
     with pytest.raises(NotImplementedError, match="already holds whole tensors"):
         xfsdp.consolidate_sharded_model_checkpoints("prefix")
+    assert dev.module is dev  # torch_xla's .module: FSDP wraps in place
+    assert dev.get_shard_metadata()["shard_info"] == {}  # its checkpoint recipe runs
+
+
+def test_fsdp_v2_with_torch_xla_signature_and_checkpointed_units():
+    """FSDPv2(model, mesh) with torch_xla's positional mesh, and its documented recipe for
+    checkpointing every unit through auto_wrapper_callable; trains as eager CPU."""
+    import functools
+
+    import xshard.spmd as xs
+    from xshard.compat.fsdp import checkpoint_module, transformer_auto_wrap_policy
+    from xshard.compat.fsdp.spmd import SpmdFullyShardedDataParallel as FSDPv2
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.0)
+
+        def forward(self, x):
+            return x + self.drop(self.fc(x).tanh())
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(Block(), Block(), torch.nn.Linear(8, 2))
+
+    mesh = xs.Mesh(list(range(8)), (8, 1), ("fsdp", "model"))
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    cpu = net()
+    model = FSDPv2(net(), mesh, auto_wrap_policy=policy,
+                   auto_wrapper_callable=lambda m, *a, **k: FSDPv2(checkpoint_module(m), *a, **k))
+    assert model.module is model and model[0]._xshard_checkpointed and model[1]._xshard_checkpointed
+    assert not getattr(model[2], "_xshard_checkpointed", False)
+    assert xs.get_sharding_spec(model[0].fc.weight) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cpu, model)]
+    for _ in range(3):
+        x = torch.randn(16, 8)
+        for m, opt, data in ((cpu, opts[0], x), (model, opts[1], x.to(DEV))):
+            opt.zero_grad()
+            m(data).square().mean().backward()
+            opt.step()
+    torch.testing.assert_close(model[0].fc.weight.cpu(), cpu[0].fc.weight.detach(),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"auto_wrapper_callable=...\) needs an auto_wrap_policy"):
+        FSDPv2(net(), mesh, auto_wrapper_callable=lambda m, *a, **k: m)
+    with pytest.raises(TypeError, match="returned another module than the Block"):
+        FSDPv2(net(), mesh, auto_wrap_policy=policy, auto_wrapper_callable=lambda m, **k: Block())

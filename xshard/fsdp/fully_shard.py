@@ -211,6 +211,12 @@ class FSDP:
         finally:
             self._fsdp_sync_grads = previous
 
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module: this module itself (FSDP wraps in place), as PyTorch's and
+        torch_xla's FSDP ``.module``; a submodule the model registered as ``module`` wins."""
+        return self._modules.get("module", self)
+
     # -- state -----------------------------------------------------------------------------------
 
     def state_dict(self, *args, rank0_only: bool = False, **kwargs):

@@ -19,10 +19,13 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from xshard.compat import _world
 from xshard.fsdp import FSDP, MixedPrecision, checkpoint_module  # noqa: F401
+from xshard.fsdp.wrap import select_units
 from xshard.compat.fsdp.wrap import (always_wrap_policy, lambda_auto_wrap_policy,  # noqa: F401
                                      size_based_auto_wrap_policy, transformer_auto_wrap_policy)
 
@@ -34,8 +37,6 @@ _IGNORED = {
     "_use_xla_patched_linear", "sync_on_finalization", "mark_step_on_finalization",
 }
 _REFUSED = {
-    "auto_wrapper_callable": "units are chosen by auto_wrap_policy; for activation checkpointing "
-                             "wrap the layers with checkpoint_module(layer) before FSDP",
     "param_init_fn": "materialise the parameters before wrapping",
     "sharding_groups": "shard over a mesh axis instead: xshard.fsdp.FSDP(module, mesh=...)",
     "sharding_rank": "shard over a mesh axis instead: xshard.fsdp.FSDP(module, mesh=...)",
@@ -56,6 +57,9 @@ class XlaFullyShardedDataParallel(metaclass=_FSDPType):
         module: the model.
         reshard_after_forward, shard_param_on_dim_0, auto_wrap_policy,
         optimization_barrier_in_forward, optimization_barrier_in_backward: as in torch_xla.
+        auto_wrapper_callable: called on each unit, as in torch_xla (its recipe
+            ``lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)`` checkpoints the units);
+            the FSDP call inside returns the unit as it is, and it must change the unit in place.
         compute_dtype: dtype of the computation (default float32; e.g. torch.bfloat16).
         buffer_dtype: dtype of the buffers (default ``compute_dtype``).
         fp32_reduce_scatter: reduce gradients in float32 when ``compute_dtype`` is lower.
@@ -66,10 +70,12 @@ class XlaFullyShardedDataParallel(metaclass=_FSDPType):
     """
 
     def __new__(cls, module, *, reshard_after_forward: bool = True,
-                shard_param_on_dim_0: bool = False, auto_wrap_policy=None, compute_dtype=None,
-                buffer_dtype=None, fp32_reduce_scatter: bool = False,
-                optimization_barrier_in_forward: bool = True,
+                shard_param_on_dim_0: bool = False, auto_wrap_policy=None,
+                auto_wrapper_callable=None, compute_dtype=None, buffer_dtype=None,
+                fp32_reduce_scatter: bool = False, optimization_barrier_in_forward: bool = True,
                 optimization_barrier_in_backward: bool = True, **options):
+        if _inner():
+            return module
         for name, value in options.items():
             if name in _REFUSED:
                 if value is not None:
@@ -90,6 +96,7 @@ class XlaFullyShardedDataParallel(metaclass=_FSDPType):
                 "not supported; wrap the root once and choose the inner units with "
                 "auto_wrap_policy, e.g. partial(lambda_auto_wrap_policy, lambda_fn=lambda m: "
                 "isinstance(m, Block)).")
+        _wrap_units(module, auto_wrap_policy, auto_wrapper_callable)
         mixed = None
         if compute_dtype not in (None, torch.float32):
             mixed = MixedPrecision(param_dtype=compute_dtype,
@@ -97,11 +104,55 @@ class XlaFullyShardedDataParallel(metaclass=_FSDPType):
                                    buffer_dtype=buffer_dtype or compute_dtype)
         elif buffer_dtype not in (None, torch.float32):
             mixed = MixedPrecision(buffer_dtype=buffer_dtype)
-        return FSDP(module, auto_wrap_policy=auto_wrap_policy,
-                    reshard_after_forward=reshard_after_forward,
-                    shard_param_on_dim_0=shard_param_on_dim_0, mixed_precision=mixed,
-                    optimization_barrier_in_forward=optimization_barrier_in_forward,
-                    optimization_barrier_in_backward=optimization_barrier_in_backward)
+        return _attach_torch_xla_methods(FSDP(
+            module, auto_wrap_policy=auto_wrap_policy, reshard_after_forward=reshard_after_forward,
+            shard_param_on_dim_0=shard_param_on_dim_0, mixed_precision=mixed,
+            optimization_barrier_in_forward=optimization_barrier_in_forward,
+            optimization_barrier_in_backward=optimization_barrier_in_backward))
+
+
+_INNER = {"depth": 0}  # > 0 while an auto_wrapper_callable runs on a unit
+
+
+def _inner() -> bool:
+    """Whether an ``auto_wrapper_callable`` is running: the FSDP call inside it returns its
+    module as it is (the root's FSDP shards the unit)."""
+    return _INNER["depth"] > 0
+
+
+def _wrap_units(module, policy, wrapper, **kwargs) -> None:
+    """Calls ``wrapper`` (torch_xla's ``auto_wrapper_callable``) on each unit ``policy`` selects,
+    as torch_xla does, so its recipe ``lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)``
+    checkpoints every unit. The wrapper must change the unit in place."""
+    if wrapper is None:
+        return
+    if policy is None:
+        raise ValueError("auto_wrapper_callable=...) needs an auto_wrap_policy choosing the units "
+                         "it is called on.")
+    _INNER["depth"] += 1
+    try:
+        for unit in select_units(module, policy)[:-1]:  # the root comes last
+            if wrapper(unit, **kwargs) is not unit:
+                raise TypeError(
+                    f"auto_wrapper_callable returned another module than the "
+                    f"{type(unit).__name__} it was given; here it must change the unit in place, "
+                    f"as FSDP(checkpoint_module(m)) does.")
+    finally:
+        _INNER["depth"] -= 1
+
+
+def _attach_torch_xla_methods(model):
+    """``model`` with torch_xla's FSDP methods that xshard's FSDP has no use for."""
+    object.__setattr__(model, "get_shard_metadata", functools.partial(_shard_metadata, model))
+    return model
+
+
+def _shard_metadata(model) -> dict:
+    """torch_xla's ``get_shard_metadata()``, for its checkpoint recipe ({'model':
+    model.state_dict(), 'shard_metadata': model.get_shard_metadata()}): xshard's state_dict()
+    holds whole tensors, so no shard needs describing and nothing needs consolidating."""
+    return {"shard_info": {}, "flatten_info": {}, "buffer_info": {},
+            "xshard": "state_dict() holds whole tensors; load it with model.load_state_dict"}
 
 
 def consolidate_sharded_state_dicts(*args, **kwargs):
