@@ -136,6 +136,10 @@ def test_compile_full_graph_refuses_what_would_run_early():
                                                rf".*test_compat_api.py:\d+"):
             torch_xla.compile(f, full_graph=True)(x)
     assert torch_xla.compile(reads)(x) == 12.0  # full_graph=False lets it run
+    inner = torch_xla.compile(lambda t: t * 2)  # its syncs are refused, at the caller's line
+    with pytest.raises(RuntimeError, match=r"a sync .* at .*test_compat_api.py:\d+: inner\(x\)"):
+        with torch_xla.compile(full_graph=True):
+            inner(x)
     out = torch_xla.compile(lambda t: t.exp(), full_graph=True)(x)
     assert torch.allclose(out.cpu(), torch.arange(4.0).exp())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import traceback
 
 import torch
@@ -23,7 +24,9 @@ class StateError(CompileError):
 
 
 # Frames inside these directories are library code; the user's line is the innermost frame outside.
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
+# The standard library's too: a contextlib frame is never the user's line.
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
+    os.path.join(sysconfig.get_paths()["stdlib"], ""),)
 _XSHARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_ROOTS = tuple(os.path.dirname(d.rstrip(os.sep)) + os.sep for d in _LIBRARY_DIRS)
 
