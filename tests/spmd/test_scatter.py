@@ -112,3 +112,83 @@ def test_cpu_compiler_options():
     options = compiler.compiler_options(fenced)
     assert options["xla_disable_hlo_passes"] == "scatter_expander,cpu-all-reduce-combiner"
     assert options["xla_cpu_scheduler_type"] == "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
+
+
+# Combining scatters whose indices or updates are split unevenly over one axis of a 2-D mesh
+# (replicated over the other): the partitioner's padding slots, index 0, took part (see
+# [Note: combining scatters over uneven shardings] in xshard/core/lowering/table.py).
+def _index_of(d):
+    return torch.tensor([[1, 2], [3, 0], [5, 5], [1, 4], [2, 1]], device=d.device)
+
+
+def _scatter_reduce(how, include_self=True):
+    return lambda d: torch.zeros(6, 2, device=d.device).add(3.).scatter_reduce(
+        0, _index_of(d), d, how, include_self=include_self)
+
+
+COMBINING = {
+    "scatter_reduce prod": _scatter_reduce("prod"),
+    "scatter_reduce amin": _scatter_reduce("amin"),
+    "scatter_reduce amax of negatives": lambda d: torch.full((6, 2), -50., device=d.device)
+    .scatter_reduce(0, _index_of(d), -d - 1, "amax", include_self=False),
+    "scatter_reduce mean": _scatter_reduce("mean", include_self=False),
+    "scatter_add of exp": lambda d: torch.zeros(6, 2, device=d.device).scatter_add(
+        0, _index_of(d), d.exp()),
+    "scatter multiply": lambda d: torch.ones(6, 2, device=d.device).scatter(
+        0, _index_of(d), d + 2, reduce="multiply"),
+    "index_add": lambda d: torch.zeros(6, 2, device=d.device).index_add(
+        0, _index_of(d)[:, 0], d.exp()),
+    "index_put accumulate": lambda d: torch.zeros(6, 2, device=d.device).index_put(
+        (_index_of(d)[:, 1],), d + 1, accumulate=True),
+}
+
+
+@pytest.mark.parametrize("name", list(COMBINING))
+@pytest.mark.parametrize("axis", ["data", "model"])
+def test_combining_scatter_of_updates_split_unevenly_over_one_axis(name, axis):
+    fn = COMBINING[name]
+    x = torch.arange(10.).reshape(5, 2) / 4
+    d = x.to(DEV)
+    xs.mark_sharding(d, mesh(), (axis, None))  # 5 rows over 4 or 2 devices, replicated over the rest
+    torch.testing.assert_close(fn(d).cpu(), fn(x), rtol=1e-6, atol=1e-6)
+
+
+BACKWARDS = {
+    "embedding": lambda x, ids: torch.nn.functional.embedding(ids, x).exp().sum(),
+    "gather": lambda x, ids: x.gather(0, ids[:, None].expand(5, 2)).exp().sum(),
+    "indexing": lambda x, ids: x[ids].exp().sum(),
+    "take_along_dim": lambda x, ids: torch.take_along_dim(x, ids[:, None], 0).exp().sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKWARDS))
+@pytest.mark.parametrize("axis", ["data", "model"])
+def test_backward_through_indices_split_unevenly_over_one_axis(name, axis):
+    """Gradients are combining scatters of the incoming gradient at the indices."""
+    loss = BACKWARDS[name]
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    x = torch.zeros(6, 2, requires_grad=True)
+    loss(x, ids).backward()
+    d = torch.zeros(6, 2).to(DEV).requires_grad_()
+    idd = ids.to(DEV)
+    xs.mark_sharding(idd, mesh(), (axis,))
+    loss(d, idd).backward()
+    torch.testing.assert_close(d.grad.cpu(), x.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["max_pool1d", "cummax"])
+def test_backward_of_max_positions_over_a_split_length(op):
+    values = torch.tensor([[[0., 5, 1, 2, 9, 3, 4, 8]]])
+
+    def loss(t):
+        if op == "max_pool1d":
+            return torch.nn.functional.max_pool1d(t, 3, 2).sum()
+        return t[..., :5].cummax(-1).values.sum()
+
+    x = values.clone().requires_grad_()
+    loss(x).backward()
+    d = values.to(DEV)
+    xs.mark_sharding(d, mesh(), (None, None, "data"))
+    d.requires_grad_()
+    loss(d).backward()
+    torch.testing.assert_close(d.grad.cpu(), x.grad, rtol=0, atol=0)

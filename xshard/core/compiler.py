@@ -18,7 +18,7 @@ import numpy as np
 from xshard.core import divergence, ir, placement, runtime, trace
 from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.graph import Graph
-from xshard.core.lowering import RULES, LoweringError, apply_rule
+from xshard.core.lowering import RULES, LoweringError, apply_rule, table
 from xshard.core.padding import crop_array
 
 jax = runtime.jax_module()
@@ -47,8 +47,16 @@ class Program:
                 self.steps.append(("op", kids, (node.op, rule, node.template, node.shape,
                                                 node.dtype, node.outputs)))
         self.outputs = graph.outputs
+        self.replicated = placement.replicated_sharding(graph)  # for lowering.table.combine
 
     def __call__(self, *inputs):
+        table.PROGRAM["replicated"] = self.replicated
+        try:
+            return self._trace(inputs)
+        finally:
+            table.PROGRAM["replicated"] = None
+
+    def _trace(self, inputs):
         vals = []
         for kind, a, b in self.steps:
             if kind == "op":

@@ -167,6 +167,20 @@ def _target(shardings, inside):
     return replicated
 
 
+def replicated_sharding(graph):
+    """A replicated sharding over the devices ``graph`` runs on, when it lays values out over
+    several (None when nothing in it is sharded: it is replicated on the default devices)."""
+    if runtime.device_count() == 1:
+        return None
+    target = _target([n.sharding for n in graph.inputs if n.op is ir.DATA
+                      and n.sharding is not None], _inside(graph))
+    if target is None:
+        return None
+    if isinstance(target, jax.sharding.Mesh):
+        return jax.sharding.NamedSharding(target, jax.sharding.PartitionSpec())
+    return replicated_on(_devices(target))
+
+
 def plan(graph) -> tuple:
     """How ``graph``'s inputs are laid out before it runs: ``(input position, sharding)`` for each
     data input to move (see [Note: one device assignment per graph]); raises ``PlacementError``

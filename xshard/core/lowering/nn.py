@@ -8,7 +8,7 @@ import torch
 from xshard.core import runtime
 from xshard.core.lowering.linalg import _mm_precision
 from xshard.core.lowering.shape import _lowest
-from xshard.core.lowering.table import HALF_FLOATS, astype, in_float32, rule
+from xshard.core.lowering.table import HALF_FLOATS, astype, combine, in_float32, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -297,7 +297,7 @@ def _max_pool_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mod
     out = jnp.zeros(x.shape[:lead] + (spatial,), grad.dtype)
     lead_idx = jnp.meshgrid(*[jnp.arange(n) for n in x.shape[:lead]], jnp.arange(g.shape[-1]),
                             indexing="ij")
-    out = out.at[tuple(lead_idx[:-1]) + (i,)].add(g)
+    out = combine(out, tuple(lead_idx[:-1]) + (i,), g, "add")
     return out.reshape(x.shape)
 
 

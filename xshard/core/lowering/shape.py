@@ -9,7 +9,7 @@ from xshard.core import runtime
 from xshard.core.lowering.elementwise import _add
 from xshard.core.lowering.linalg import _scale
 from xshard.core.lowering.promotion import _FLOAT, _INT, _category, result_dtype
-from xshard.core.lowering.table import rule
+from xshard.core.lowering.table import combine, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -131,7 +131,7 @@ def _scatter_with_reduce(x, dim, index, src, reduce):
     idx = _scatter_indices(x, dim, index)
     if reduce == "add":
         return _scatter_sum(x, idx, src)
-    return x.at[idx].min(src) if x.dtype == np.bool_ else x.at[idx].multiply(src)
+    return combine(x, idx, src, "min" if x.dtype == np.bool_ else "multiply")
 
 
 @rule(aten.put)
@@ -171,20 +171,20 @@ def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
     idx = _scatter_indices(x, dim, index)
     if reduce == "sum":
         base = x if include_self else x.at[idx].set(0)
-        return base.at[idx].add(src)
+        return combine(base, idx, src, "add")
     if reduce == "prod":
         base = x if include_self else x.at[idx].set(1)
-        return base.at[idx].multiply(src)
+        return combine(base, idx, src, "multiply")
     if reduce == "amax":
         base = x if include_self else x.at[idx].set(_lowest(x.dtype))
-        return base.at[idx].max(src)
+        return combine(base, idx, src, "max")
     if reduce == "amin":
         base = x if include_self else x.at[idx].set(_highest(x.dtype))
-        return base.at[idx].min(src)
+        return combine(base, idx, src, "min")
     if reduce == "mean":
         ones = jnp.ones(index.shape, x.dtype)
-        count = jnp.zeros(x.shape, x.dtype).at[idx].add(ones) + (1 if include_self else 0)
-        total = (x if include_self else x.at[idx].set(0)).at[idx].add(src)
+        count = combine(jnp.zeros(x.shape, x.dtype), idx, ones, "add") + (1 if include_self else 0)
+        total = combine(x if include_self else x.at[idx].set(0), idx, src, "add")
         out = total / jnp.maximum(count, 1)
         if _category(x.dtype) == _INT:
             out = jnp.floor_divide(total, jnp.maximum(count, 1))
@@ -275,9 +275,7 @@ def _index_add(x, dim, index, source, alpha=1):
 
 def _scatter_sum(x, idx, values):
     """``x.at[idx].add(values)``; for bools the sum is a logical or."""
-    if x.dtype == np.bool_:
-        return x.at[idx].max(values)
-    return x.at[idx].add(values)
+    return combine(x, idx, values, "max" if x.dtype == np.bool_ else "add")
 
 
 @rule(aten.index_copy)
@@ -300,8 +298,8 @@ def _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_gra
     flat_grad = grad.reshape(-1, grad.shape[-1])
     if padding_idx is not None and padding_idx >= 0:
         flat_grad = jnp.where((flat_idx == padding_idx)[:, None], 0, flat_grad)
-    out = jnp.zeros((num_weights, grad.shape[-1]), grad.dtype).at[flat_idx].add(flat_grad)
+    out = combine(jnp.zeros((num_weights, grad.shape[-1]), grad.dtype), flat_idx, flat_grad, "add")
     if scale_grad_by_freq:
-        counts = jnp.zeros((num_weights,), grad.dtype).at[flat_idx].add(1)
+        counts = combine(jnp.zeros((num_weights,), grad.dtype), flat_idx, 1, "add")
         out = out / jnp.maximum(counts, 1)[:, None]
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -10,6 +12,7 @@ from xshard.core.dtypes import to_numpy_dtype
 from xshard.core.ir import Slot
 
 jnp = runtime.jax_module().numpy
+lax = runtime.jax_module().lax
 
 RULES: dict = {}
 
@@ -26,6 +29,38 @@ def rule(*ops):
                 RULES[op] = fn
         return fn
     return register
+
+
+# [Note: combining scatters over uneven shardings]
+# XLA's SPMD partitioner (jaxlib 0.10.2) pads an index array sharded unevenly over part of a mesh
+# (a dim of 5 over the 4-device axis of a 2x4 mesh, replicated over the other axis) and lets the
+# padding take part in a combining scatter: each padded slot holds index 0 and an update, so element
+# 0 gains one update per slot. ``zeros(6).at[idx5].add(ones(5))`` with idx5 constrained to P("b")
+# gives [3, 1, 1, 1, 1, 1] in plain JAX. Setting scatters, gathers, 1-D meshes and the whole mesh on
+# one dim are right. It reaches scatter_add / scatter_reduce / index_add / index_put(accumulate) and
+# the backward of embedding, gather, indexing, cummax and max pooling. So the combining scatters go
+# through ``combine``: when an index or update array has a dim that the program's device count does
+# not divide (a sharding of it might be uneven), both are replicated first. Shapes that divide are
+# untouched (no cost in the usual training step); the rest pay one all-gather of their indices and
+# updates. tests/spmd/test_scatter.py has the cases, against eager.
+PROGRAM = {"replicated": None}  # the replicated sharding of the program being traced, if sharded
+
+
+def combine(x, idx, values, how: str):
+    """``x.at[idx].<how>(values)`` (``how``: add, multiply, max, min), safe from the partitioner's
+    padding (see [Note: combining scatters over uneven shardings])."""
+    replicated = PROGRAM["replicated"]
+    if replicated is not None:
+        arrays = [a for a in (idx if isinstance(idx, tuple) else (idx,)) if hasattr(a, "shape")]
+        if hasattr(values, "shape"):
+            arrays.append(values)
+        n = len(replicated.device_set)
+        if any(d % n for a in arrays for d in a.shape):
+            constrain = functools.partial(lax.with_sharding_constraint, shardings=replicated)
+            idx = tuple(constrain(a) if hasattr(a, "shape") else a for a in idx) \
+                if isinstance(idx, tuple) else constrain(idx)
+            values = constrain(values) if hasattr(values, "shape") else values
+    return getattr(x.at[idx], how)(values)
 
 
 def astype(x, dtype):
