@@ -934,6 +934,30 @@ def test_16_bit_attention_keeps_scores_in_float32(dtype):
     _nearly_equal_eager(program, q, k, v, mask)
 
 
+def test_attention_of_fewer_dims_and_a_one_dim_mask():
+    """The fused op takes (batch, heads, length, features): a 2-D query ("query must be 3D or
+    4D"), a 3-D one whose values have another width (IndexError in its meta kernel) and a 1-D
+    mask failed; they run fused with leading dims added, with their gradients."""
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 5, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 3)
+    mask = torch.randn(6)
+
+    def program(q, k, v, mask):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):  # eager's 1-D mask
+            return [F.scaled_dot_product_attention(q, k, v),
+                    F.scaled_dot_product_attention(q[0], k[0], v[0], is_causal=True),
+                    F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)]
+
+    check_eager(program, q, k, v, mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sum(o.square().sum() for o in program(*leaves, mask)).backward()
+    dev = [t.to(xshard.device()).requires_grad_() for t in (q, k, v)]
+    sum(o.square().sum() for o in program(*dev, mask.to(xshard.device()))).backward()
+    for a, b in zip(leaves, dev):
+        torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 3.0, float("inf")])
 def test_cdist_and_pdist_of_nan_as_in_pytorch(p):
     """ATen's CPU cdist passes over a NaN difference for p=inf (a max from 0) and keeps it for
@@ -942,3 +966,17 @@ def test_cdist_and_pdist_of_nan_as_in_pytorch(p):
                       [float("nan")] * 3])
     y = torch.tensor([[0.0, 0.0, 0.0], [1.0, -1.0, 2.0]])
     check_eager(lambda x, y: (torch.cdist(x, y, p=p), torch.pdist(x, p=p)), x, y)
+
+
+@pytest.mark.parametrize("shape,pool", [((4, 6, 6, 6), "3d"), ((2, 4, 6, 6, 6), "3d"),
+                                        ((4, 6, 6), "2d"), ((2, 4, 6, 6), "2d")])
+def test_adaptive_average_pooling_gradient_batched_or_not(shape, pool):
+    """A 4-D input is a batch of images for the 2-D pool and one volume for the 3-D pool: the
+    3-D pool's backward of an unbatched volume failed to lower (it took it for images)."""
+    fn = getattr(torch.nn.functional, f"adaptive_avg_pool{pool}")
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    leaf = x.clone().requires_grad_()
+    fn(leaf, 3).square().sum().backward()
+    d = x.to(xshard.device()).requires_grad_()
+    fn(d, 3).square().sum().backward()
+    torch.testing.assert_close(d.grad.cpu(), leaf.grad, rtol=1e-5, atol=1e-6)

@@ -185,3 +185,19 @@ def test_in_place_checks_hold_after_the_functional_form_of_the_same_call():
     with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
         x.add_(y)
     assert x.cpu().tolist() == [0.0]
+
+
+def test_make_fx_over_xshard_tensors_is_refused():
+    """make_fx's proxy mode hands xshard tensors to xshard, whose lazy recording it cannot see: the
+    traced graph returned the tracing call's values whatever its inputs (torch.func.linearize
+    gave zero tangents). It is refused, naming the op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from xshard.core.tensor import TracingError
+
+    x = torch.randn(2, 3).to(xshard.device())
+    with pytest.raises(TracingError, match="aten.mul.Tensor on an xshard tensor inside make_fx"):
+        make_fx(lambda t: (t * x).sin())(torch.ones(2, 3).to(xshard.device()))
+    with pytest.raises(TracingError, match="inside make_fx's proxy mode"):
+        torch.func.linearize(lambda a: a * 3, x)
+    assert torch.equal((x * 3).cpu(), x.cpu() * 3)  # the lazy path is untouched

@@ -57,7 +57,15 @@ def _sdpa_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         return aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
             enable_gqa=enable_gqa)[0]
-    return _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale)
+    # The fused op takes (batch, heads, length, features) and a mask of 2 dims or more: fewer
+    # leading dims are added (and taken off the result), a 1-D mask is read as one row.
+    lead = 4 - query.dim()
+    if lead > 0:
+        query, key, value = (t.reshape((1,) * lead + tuple(t.shape)) for t in (query, key, value))
+    if attn_mask is not None and attn_mask.dim() < 2:
+        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
+    out = _FusedAttention.apply(query, key, value, attn_mask, is_causal, scale)
+    return out.reshape(out.shape[lead:]) if lead > 0 else out
 
 
 # PyTorch chooses the fused kernel for a PrivateUse1 device only through a C++ dispatch stub, so

@@ -32,6 +32,13 @@ aten = torch.ops.aten
 _TENSOR_DATA = torch._C.TensorBase.data  # the getter and setter of ``Tensor.data``
 
 
+
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
+class TracingError(RuntimeError):
+    """An xshard tensor reached a tracer that cannot record it (make_fx's proxy mode)."""
+
 class XTensor(LazyTensor):
     """A tensor on the xshard device. Its value is ``self._cell.value`` seen through ``self._chain``
     (see [Note: cells and views] in xshard.core.cells)."""
@@ -72,6 +79,13 @@ class XTensor(LazyTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if torch._C._get_dispatch_mode(_PROXY) is not None:
+            raise TracingError(
+                f"{func} on an xshard tensor inside make_fx's proxy mode (torch.fx's make_fx, "
+                f"torch.func.linearize, torch.export, AOT autograd): the mode hands xshard tensors "
+                f"to xshard, which records the op lazily where the tracer cannot see it, so the "
+                f"traced graph would return the values of this call whatever its inputs. Trace "
+                f"with CPU or meta tensors, or compile a step on xshard with xshard.compile.")
         try:
             return dispatch(func, args, kwargs or {})
         except Exception as e:

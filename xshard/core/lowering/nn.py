@@ -365,11 +365,16 @@ def _adaptive_avg_pool(x, output_size):
     return out
 
 
-@rule(aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default)
-def _adaptive_avg_pool_backward(grad, x):
-    nd = 2 if grad.ndim == x.ndim and len(x.shape) in (3, 4) else 3
-    _, vjp = jax.vjp(lambda v: _adaptive_avg_pool(v, grad.shape[-nd:]), x)
-    return vjp(grad)[0]
+def _adaptive_avg_pool_backward(nd: int):
+    # The pooled dims come from the op: a 4-D input is a batch of 2-D images or one 3-D volume.
+    def backward(grad, x):
+        _, vjp = jax.vjp(lambda v: _adaptive_avg_pool(v, grad.shape[-nd:]), x)
+        return vjp(grad)[0]
+    return backward
+
+
+rule(aten._adaptive_avg_pool2d_backward.default)(_adaptive_avg_pool_backward(2))
+rule(aten._adaptive_avg_pool3d_backward.default)(_adaptive_avg_pool_backward(3))
 
 
 @rule(aten.nll_loss_forward.default)
