@@ -322,6 +322,16 @@ def test_rng_state_round_trip():
         xm.set_rng_state(-1)
 
 
+def test_device_attributes_and_counts():
+    assert xm.xla_device_kind() == xm.xla_device_kind(DEV) == "cpu"
+    assert xr.is_bf16_supported() is True
+    assert xr.runtime_device_attributes()["platform"] == "cpu"
+    assert len(xr.global_runtime_device_attributes()) == 8
+    before = xr.get_num_cached_compilation_graph()
+    (torch.ones(3, 17).to(DEV) * 3.25).sum().item()  # a program no other test compiles
+    assert xr.get_num_cached_compilation_graph() == before + 1
+
+
 def test_rate_tracker():
     tracker = xm.RateTracker(smooth_factor=0.5)
     tracker.add(100)

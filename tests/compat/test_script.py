@@ -148,3 +148,17 @@ def test_a_script_may_set_the_platform_at_its_top(tmp_path):
     assert re.search(r"RuntimeConfigError: The environment asks for PJRT_DEVICE='CPU', "
                      r"XSHARD_CPU_DEVICES='4', but JAX started its backends before it was set "
                      r"and runs 1 cpu device", run.stderr), run.explain()
+
+
+def test_torch_xla_environment_variables(tmp_path):
+    """CPU_NUM_DEVICES (torch_xla's name for XSHARD_CPU_DEVICES) and XLA_USE_SPMD=1 (its older
+    xr.use_spmd()) are honoured; XLA_USE_BF16, which xshard does not apply, warns."""
+    script = tmp_path / "env.py"
+    script.write_text("import torch_xla.runtime as xr\nimport xshard\n"
+                      "print('RESULT', xshard.device_count(), xr.is_spmd())\n")
+    env = clean_env({"CPU_NUM_DEVICES": "3", "XLA_USE_SPMD": "1", "XLA_USE_BF16": "1"})
+    run = run_command([sys.executable, "-m", "xshard.compat", str(script)], env=env,
+                      timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.explain()
+    assert "RESULT 3 True" in run.stdout, run.explain()
+    assert "XLA_USE_BF16='1' is ignored by xshard.compat" in run.stderr, run.explain()

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import warnings
 
 import xshard
 from xshard.compat import runtime, xla_model  # noqa: F401  (torch_xla.runtime after import)
@@ -42,6 +44,13 @@ from xshard.core import capture, trace
 from xshard.step import errors
 
 __version__ = "2.9.0+xshard"
+
+for _name in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16", "XLA_USE_FP16"):
+    if os.environ.get(_name, "").strip() not in ("", "0"):
+        warnings.warn(f"{_name}={os.environ[_name]!r} is ignored by xshard.compat (torch_xla "
+                      f"deprecated it): tensors keep the dtypes the program gives them. Cast the "
+                      f"model (model.to(torch.bfloat16)) or use torch.autocast('xla', "
+                      f"dtype=torch.bfloat16).", stacklevel=2)
 
 
 def device(index: int | None = None):

@@ -13,6 +13,8 @@ torch_xla has two modes, and so does xshard.compat:
 
 from __future__ import annotations
 
+import os
+
 from xshard.core import distributed, runtime
 
 
@@ -26,8 +28,8 @@ def replicas() -> bool:
 
 
 def spmd() -> bool:
-    """Whether ``xr.use_spmd()`` was called."""
-    return _Mode.spmd
+    """Whether ``xr.use_spmd()`` was called, or ``XLA_USE_SPMD=1`` set (torch_xla's older way)."""
+    return _Mode.spmd or os.environ.get("XLA_USE_SPMD", "").strip() not in ("", "0")
 
 
 def set_spmd() -> None:

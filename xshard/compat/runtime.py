@@ -15,7 +15,7 @@ from __future__ import annotations
 import xshard
 from xshard.compat import _world
 from xshard.compat import xla_model as _xm
-from xshard.core import distributed, runtime
+from xshard.core import compiler, distributed, runtime
 
 
 def world_size() -> int:
@@ -74,6 +74,30 @@ def use_spmd(auto: bool = False) -> None:
 def is_spmd() -> bool:
     """Whether ``use_spmd()`` was called."""
     return _world.spmd()
+
+
+def is_bf16_supported() -> bool:
+    """True: every platform xshard runs on computes in bfloat16."""
+    return True
+
+
+def runtime_device_attributes(device=None) -> dict:
+    """Attributes of this process's first physical device (``name``, ``platform``,
+    ``device_kind``, ``id``, ``process_index``)."""
+    d = runtime.local_devices()[0]
+    return {"name": str(d), "platform": d.platform, "device_kind": d.device_kind, "id": d.id,
+            "process_index": d.process_index}
+
+
+def global_runtime_device_attributes() -> list:
+    """``runtime_device_attributes`` of every physical device of the run."""
+    return [{"name": str(d), "platform": d.platform, "device_kind": d.device_kind, "id": d.id,
+             "process_index": d.process_index} for d in runtime.devices()]
+
+
+def get_num_cached_compilation_graph() -> int:
+    """How many programs this process has compiled (xshard's executable cache)."""
+    return compiler.cache_size()
 
 
 def using_pjrt() -> bool:
@@ -144,4 +168,5 @@ __all__ = ["world_size", "global_ordinal", "local_ordinal", "process_index", "pr
            "host_index", "local_process_count", "use_spmd", "is_spmd", "using_pjrt",
            "device_type", "global_runtime_device_count", "addressable_runtime_device_count",
            "global_device_count", "local_device_count", "addressable_device_count",
-           "initialize_cache"]
+           "initialize_cache", "is_bf16_supported", "runtime_device_attributes",
+           "global_runtime_device_attributes", "get_num_cached_compilation_graph"]

@@ -76,6 +76,13 @@ def device_type() -> str:
     return _PLATFORM_NAMES.get(platform, platform.upper())
 
 
+def xla_device_kind(device=None) -> str:
+    """The kind of the physical devices behind ``device`` (JAX's ``device_kind``, e.g. ``'cpu'``
+    or ``'TPU v4'``)."""
+    _check_device(device)
+    return runtime.local_devices()[0].device_kind
+
+
 def xla_device_hw(device) -> str:
     """The hardware behind ``device`` (an xshard device): ``'CPU'``, ``'CUDA'`` or ``'TPU'``."""
     _check_device(device)
@@ -777,7 +784,8 @@ def __getattr__(name: str):
 
 
 __all__ = ["REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", "REDUCE_MAX",
-           "xla_device", "xla_device_hw", "get_xla_supported_devices", "xrt_world_size",
+           "xla_device", "xla_device_hw", "xla_device_kind", "get_xla_supported_devices",
+           "xrt_world_size",
            "get_ordinal", "get_local_ordinal", "is_master_ordinal", "master_print",
            "add_step_closure", "mark_step", "wait_device_ops", "optimization_barrier_",
            "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute",

@@ -282,6 +282,11 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
+def cache_size() -> int:
+    """How many executables the cache holds (programs compiled by this process)."""
+    return len(_CACHE)
+
+
 def _log_recompile(graph: Graph):
     """What differs between ``graph`` and the nearest cached graph (logged at DEBUG level, and
     returned for XSHARD_DEBUG's report), or None."""

@@ -5,7 +5,8 @@ backends (see [Note: when the environment is read]):
 
 - ``PJRT_DEVICE``: ``CPU``, ``CUDA`` (alias ``GPU``) or ``TPU``. Unset: the best platform JAX finds.
 - ``XSHARD_CPU_DEVICES``: how many virtual CPU devices the CPU platform exposes (default 1). The tests
-  use 8, which gives real sharding, partitioning and collectives on one host.
+  use 8, which gives real sharding, partitioning and collectives on one host. torch_xla's
+  ``CPU_NUM_DEVICES`` is read when it is unset.
 - Multi-process runs (read by ``distributed_settings()``, used by ``xshard.initialize()``):
   ``XSHARD_COORDINATOR_ADDRESS``, ``XSHARD_NUM_PROCESSES``, ``XSHARD_PROCESS_ID`` (set by
   ``python -m xshard.launch``); torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
@@ -48,14 +49,17 @@ def _settings() -> tuple[str | None, int]:
                 f"PJRT_DEVICE={raw_platform!r} is not a platform xshard knows. Valid values: "
                 f"{sorted(_PLATFORMS)}; unset it to use the best available platform."
             )
-    raw_count = os.environ.get("XSHARD_CPU_DEVICES", "1").strip()
+    # torch_xla's CPU_NUM_DEVICES means the same; xshard's own name wins.
+    name = "XSHARD_CPU_DEVICES" if os.environ.get("XSHARD_CPU_DEVICES", "").strip() or \
+        not os.environ.get("CPU_NUM_DEVICES", "").strip() else "CPU_NUM_DEVICES"
+    raw_count = os.environ.get(name, "1").strip() or "1"
     try:
         cpu_devices = int(raw_count)
     except ValueError:
         cpu_devices = 0
     if cpu_devices < 1:
         raise RuntimeConfigError(
-            f"XSHARD_CPU_DEVICES={raw_count!r} must be a positive integer (the number of virtual CPU "
+            f"{name}={raw_count!r} must be a positive integer (the number of virtual CPU "
             f"devices, e.g. 8)."
         )
     return platform, cpu_devices
