@@ -81,18 +81,20 @@ def is_bf16_supported() -> bool:
     return True
 
 
-def runtime_device_attributes(device=None) -> dict:
-    """Attributes of this process's first physical device (``name``, ``platform``,
-    ``device_kind``, ``id``, ``process_index``)."""
-    d = runtime.local_devices()[0]
+def _attributes(d) -> dict:
     return {"name": str(d), "platform": d.platform, "device_kind": d.device_kind, "id": d.id,
             "process_index": d.process_index}
 
 
+def runtime_device_attributes(device=None) -> dict:
+    """Attributes of this process's first physical device (``name``, ``platform``,
+    ``device_kind``, ``id``, ``process_index``)."""
+    return _attributes(runtime.local_devices()[0])
+
+
 def global_runtime_device_attributes() -> list:
     """``runtime_device_attributes`` of every physical device of the run."""
-    return [{"name": str(d), "platform": d.platform, "device_kind": d.device_kind, "id": d.id,
-             "process_index": d.process_index} for d in runtime.devices()]
+    return [_attributes(d) for d in runtime.devices()]
 
 
 def get_num_cached_compilation_graph() -> int:
