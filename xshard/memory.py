@@ -336,7 +336,8 @@ def measure_step(step_fn: Callable[[], object], n: int = 3, warmup: int = 1,
     """Runs ``step_fn`` (one traced training step) ``warmup + n`` times and measures it.
 
     Each call is followed by ``xshard.sync()``; the timed calls also wait for completion. The first
-    warm-up call compiles. FLOPs come from the executable of the last warm-up step.
+    warm-up call compiles. FLOPs (per device) come from the executables the last warm-up call ran:
+    the programs its syncs run, or a compiled step's (``xshard.compile``).
 
     Args:
         step_fn: traces one step (forward, backward, optimizer step); its return value is ignored.
@@ -351,17 +352,20 @@ def measure_step(step_fn: Callable[[], object], n: int = 3, warmup: int = 1,
     """
     if n < 1 or warmup < 1:
         raise ValueError(f"measure_step needs n >= 1 and warmup >= 1, got n={n}, warmup={warmup}.")
-    flops, n_devices = 0.0, 1
-    for i in range(warmup):
+    for _ in range(warmup - 1):
         step_fn()
-        if i == warmup - 1:
-            pending = execute.pending_step()
-            if pending.cells:
-                exe = compiler.executable(pending.graph, pending.donate)
-                flops = _flops(exe.compiled)
-                n_devices = _devices_of(v for v in compiler.input_values(pending.graph)
-                                        if not isinstance(v, np.ndarray))
         execute.sync(wait=True)
+    with compiler.watching() as runs:  # whatever the last warm-up step runs: syncs, compiled steps
+        step_fn()
+        execute.sync(wait=True)
+    if not runs:
+        raise ValueError("measure_step: step_fn ran nothing on the devices (no sync and no "
+                         "compiled step); pass a function that runs one training step.")
+    flops = sum(map(_flops, runs))
+    leaves = runtime.jax_module().tree_util.tree_leaves
+    n_devices = max(len({d.id for s in leaves(c.output_shardings) for d in s.device_set})
+                    for c in runs)
+    del runs
     start = time.perf_counter()
     times = []
     for _ in range(n):

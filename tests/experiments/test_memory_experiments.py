@@ -97,6 +97,8 @@ def test_analyze_without_pending_work_says_what_to_do():
 
 
 def test_measured_step_live_bytes_and_utilization():
+    gc.collect()
+    before = memory.live_bytes_per_device()  # what earlier tests left alive
     torch.manual_seed(0)
     mesh = Mesh(list(range(8)), (8,), ("data",))
     model = _mlp().to(xshard.device())
@@ -114,16 +116,31 @@ def test_measured_step_live_bytes_and_utilization():
     r = memory.measure_step(step, n=2, warmup=1, peak_flops_per_device=1e12)
     assert r.seconds > 0 and r.flops > 0 and r.n_devices == 8
     assert r.utilization == pytest.approx(r.flops * 8 / (r.seconds * 1e12 * 8))
-    # replicated parameters: every device holds all of them (plus the grads and its batch shard)
+    # replicated parameters: every device holds all of them, their grads and its batch shard (the
+    # warm-up step's gradients, which zero_grad dropped, no longer)
     params = sum(p.numel() * 4 for p in model.parameters())
-    live = r.live_bytes
-    assert set(live) == set(range(8))
-    assert all(v >= params + 2 * 32 * 4 for v in live.values())
+    assert r.live_bytes == {d: before.get(d, 0) + 2 * params + 2 * 32 * 4 for d in range(8)}
+    assert r.live_bytes == memory.live_bytes_per_device()
+
+    # A step that reads a result (it syncs itself), and the same step compiled: the same program.
+    def reading():
+        step()
+        return model[0].weight.sum().item()
+
+    @xshard.compile
+    def compiled():
+        step()
+        return model[0].weight.sum()
+
+    for other in (reading, compiled):
+        o = memory.measure_step(other, n=1, warmup=2)
+        assert o.n_devices == 8 and o.flops == pytest.approx(r.flops, rel=0.1), other
+        assert o.live_bytes == r.live_bytes
+    with pytest.raises(ValueError, match="ran nothing on the devices"):
+        memory.measure_step(lambda: None)
     assert memory.utilization(2e12, 1.0, 1e12, 4) == 0.5
     with pytest.raises(ValueError, match="seconds must be positive"):
         memory.utilization(1.0, 0.0, 1e12)
-    del model, opt, x
-    gc.collect()
 
 
 @pytest.mark.parametrize("boundary", [1, 2, 3, 7, 8, 9, 40, 100])
@@ -178,6 +195,16 @@ def test_batch_search_fits_at_b_and_not_at_b_plus_step(workdir, capsys):
     assert (workdir / "out" / "batch.png").stat().st_size > 0
 
 
+def test_batch_search_says_when_it_stopped_at_max_batch(workdir, capsys):
+    """Everything up to --max-batch fits: the row says so rather than calling it the largest."""
+    args = _args(workdir, "--budget", "1GiB", "--max-batch", "9", "--batch-per-device", "2",
+                 "--name", "limit")
+    assert cmd.main(args) == 0
+    row, = csv.DictReader((workdir / "out" / "limit.csv").open())
+    assert int(row["step"]) == 4 and int(row["max_batch"]) == 8 and row["at_limit"] == "True"
+    assert ">= 8 (--max-batch)" in capsys.readouterr().out
+
+
 def test_command_writes_table_csv_and_plot_and_caches(workdir, capsys):
     assert cmd.main(_args(workdir, "--batch", "2", "4", "--name", "sweep")) == 0
     out = capsys.readouterr().out
@@ -198,6 +225,8 @@ def test_command_writes_table_csv_and_plot_and_caches(workdir, capsys):
     (["--strategy", "zero3"], "unknown strategy 'zero3'; choose from"),
     (["--devices", "16"], "XSHARD_CPU_DEVICES=8 allows 8"),
     (["--budget", "1KiB"], "nothing fits in"),
+    (["--budget", "1GiB", "--max-batch", "3", "--batch-per-device", "2"],
+     "--max-batch 3 is below the batch step of"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(workdir, capsys, extra, message):
     args = _args(workdir)

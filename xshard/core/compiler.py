@@ -9,6 +9,7 @@ program here) with the XLA options its ops ask for.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import warnings
@@ -230,10 +231,29 @@ def small_results(results) -> tuple:
                  if math.prod(shape) * dtype.itemsize <= _HANDLE_BYTES)[:4]
 
 
-def dispatched(results, handles: tuple) -> None:
-    """Called right after an execution returned ``results``: keeps ``results[p]`` for ``p`` in
+# Lists that ``watching()`` hands out: each gets the compiled executable of every execution.
+_watchers: list = []
+
+
+@contextlib.contextmanager
+def watching():
+    """Yields a list that gets the compiled executable (``jax.stages.Compiled``) of each execution
+    dispatched inside the block, lazy syncs and compiled steps alike (``memory.measure_step``
+    reads their FLOPs)."""
+    runs: list = []
+    _watchers.append(runs)
+    try:
+        yield runs
+    finally:
+        _watchers.remove(runs)
+
+
+def dispatched(compiled, results, handles: tuple) -> None:
+    """Called right after ``compiled`` returned ``results``: keeps ``results[p]`` for ``p`` in
     ``handles``, and waits for the oldest execution once more than ``MAX_IN_FLIGHT`` are kept (see
     [Note: a bounded dispatch queue])."""
+    for runs in _watchers:
+        runs.append(compiled)
     if not handles:
         return
     _in_flight.append(tuple(results[p] for p in handles))

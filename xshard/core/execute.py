@@ -251,7 +251,7 @@ def _run(exe, graph: Graph, donatable: tuple) -> list:
                 values[i] = jax.device_put(values[i], may_alias=False)
     with trace.phase(trace.EXECUTE):
         results = exe.compiled(*values)
-    compiler.dispatched(results, exe.handles(results))
+    compiler.dispatched(exe.compiled, results, exe.handles(results))
     return results
 
 

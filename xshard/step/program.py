@@ -688,7 +688,7 @@ class Program:
         else:
             with trace.phase(trace.EXECUTE):
                 results = self.compiled(*values)
-        compiler.dispatched(results, self.handles)
+        compiler.dispatched(self.compiled, results, self.handles)
         return results
 
     def _scalars(self, values) -> list:

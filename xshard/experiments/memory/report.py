@@ -69,8 +69,9 @@ def plot_batch(path: Path, rows: list[dict], title: str) -> None:
     labels = [f"{r['model']}\n{r['strategy']}\nN={r['devices']}" for r in rows]
     values = [r["max_batch"] or 0 for r in rows]
     bars = ax.bar(range(len(rows)), values, color="tab:blue")
-    for bar, v in zip(bars, values):
-        ax.annotate(str(v), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+    for bar, v, r in zip(bars, values, rows):
+        ax.annotate(f">={v}" if r["at_limit"] else str(v),
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("largest global batch that fits")

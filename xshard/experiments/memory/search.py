@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 
@@ -163,18 +162,25 @@ def batch_search(args, runner, progress):
     task = progress.add_task("batch searches", total=len(configs))
     rows, nothing = [], []
     for base in configs:
-        step = args.batch_per_device or base.data_degree()
-        step = math.lcm(step, base.data_degree())
+        step = (args.batch_per_device or 1) * base.data_degree()  # B per data-parallel replica
+        count = args.max_batch // step
+        if count < 1:
+            raise UsageError(
+                f"--max-batch {args.max_batch} is below the batch step of {base.label()}: {step} "
+                f"(--batch-per-device {args.batch_per_device or 1} x its data-parallel degree "
+                f"{base.data_degree()}). Raise --max-batch to at least {step}.")
         progress.update(task, description=f"searching {base.model}/{base.strategy}/N={base.devices}")
 
         def peak_of(k, base=base, step=step):
             return runner.evaluate(dataclasses.replace(base, batch=k * step))["peak_bytes"]
 
-        k, probes = largest_fitting(peak_of, max(1, args.max_batch // step), args.budget)
+        k, probes = largest_fitting(peak_of, count, args.budget)
         best = None if k is None else k * step
         above = probes.get(k + 1) if k is not None else probes.get(1)
         at = runner.evaluate(dataclasses.replace(base, batch=best)) if best else None
         row = {**dataclasses.asdict(base), "batch": best, "max_batch": best, "budget": args.budget,
+               # the search stopped at --max-batch: the largest batch that fits is at least this
+               "at_limit": k == count,
                "step": step, "peak_at_max": at["peak_bytes"] if at else None,
                "peak_above": above, "probes": json.dumps({k_ * step: v for k_, v in
                                                            sorted(probes.items())}),
@@ -193,7 +199,8 @@ def batch_search(args, runner, progress):
                          f"more devices.")
     columns = ["model", "strategy", "devices", "batch step", "max batch", "peak at max",
                "peak at max+step", "probes", "estimate"]
-    table = [(r["model"], r["strategy"], r["devices"], r["step"], r["max_batch"] or "none",
+    table = [(r["model"], r["strategy"], r["devices"], r["step"],
+              f">= {r['max_batch']} (--max-batch)" if r["at_limit"] else r["max_batch"] or "none",
               gib(r["peak_at_max"]), gib(r["peak_above"]), len(json.loads(r["probes"])),
               r["estimate"]) for r in rows]
     return rows, columns, table
