@@ -189,11 +189,26 @@ def start_trace(log_dir: str, *, create_perfetto_trace: bool = False, python_tra
     options.python_tracer_level = 1 if python_tracer else 0
     options.host_tracer_level = host_tracer_level
     log_dir = os.fspath(log_dir)
+    # Checked now: JAX writes the trace at stop_trace, and a failed write there leaves its profiler
+    # unable to start again in this process.
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        writable = os.access(log_dir, os.W_OK | os.X_OK)
+    except OSError as e:
+        writable, why = False, e.strerror
+    else:
+        why = "permission denied"
+    if not writable:
+        raise ValueError(f"start_trace: cannot write a trace into log_dir {log_dir!r} "
+                         f"({why}); pass a directory this process can write (a missing one is "
+                         f"created).")
     try:
         jax.profiler.start_trace(log_dir, create_perfetto_trace=create_perfetto_trace,
                                  profiler_options=options)
     except RuntimeError as e:
-        raise RuntimeError(f"{e} Call xshard.profiler.stop_trace() before starting another.") from e
+        stop = ("xshard.profiler.stop_trace()" if _logdir is not None else
+                "jax.profiler.stop_trace() (it was started with jax.profiler.start_trace)")
+        raise RuntimeError(f"{e} Call {stop} before starting another.") from e
     _logdir = log_dir
     _trace.boundary()  # the next recorded op opens a recording span
 
@@ -210,9 +225,24 @@ def stop_trace() -> str:
     if _logdir is None:
         raise RuntimeError("No trace is running: xshard.profiler.start_trace(log_dir) starts one.")
     _trace.boundary()
-    jax.profiler.stop_trace()
     logdir, _logdir = _logdir, None
+    _wait_for_free_run_name(logdir)
+    jax.profiler.stop_trace()
     return _latest_run(logdir)
+
+
+def _wait_for_free_run_name(logdir: str) -> None:
+    """Waits (under a second) until no run directory of ``logdir`` is named after the current
+    second: JAX names a trace's run directory by the time to the second, so a second trace written
+    within the same second would overwrite the first."""
+    root = os.path.join(logdir, "plugins", "profile")
+    while True:
+        now = time.time()
+        names = {time.strftime("%Y_%m_%d_%H_%M_%S", clock(now))
+                 for clock in (time.localtime, time.gmtime)}
+        if not any(os.path.exists(os.path.join(root, name)) for name in names):
+            return
+        time.sleep(1.0 - now % 1.0 + 0.01)
 
 
 def _latest_run(logdir: str):

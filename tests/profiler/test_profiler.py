@@ -250,6 +250,42 @@ def test_misuse_raises_clear_errors(tmp_path):
         xp.trace("127.0.0.1:1", str(tmp_path), duration_ms=0)
 
 
+def test_a_log_dir_that_cannot_be_written_is_refused_at_start(tmp_path):
+    """JAX writes at stop_trace; a failed write there left its profiler unable to start again."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for bad in (afile, afile / "below"):
+        with pytest.raises(ValueError, match=r"cannot write a trace into log_dir .*afile"):
+            xp.start_trace(bad)
+    xp.start_trace(tmp_path / "created")  # still usable, and a missing directory is created
+    assert xp.stop_trace().startswith(str(tmp_path / "created"))
+
+
+def test_a_trace_started_by_jax_is_named_in_the_error(tmp_path):
+    import jax
+
+    jax.profiler.start_trace(str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match=r"Call jax.profiler.stop_trace\(\) \(it was"):
+            xp.start_trace(tmp_path)
+    finally:
+        jax.profiler.stop_trace()
+
+
+def test_traces_written_within_one_second_keep_their_own_runs(tmp_path):
+    """JAX names a run after the second it is written in: the second trace waits for the next."""
+    runs = []
+    for name in ("first", "second"):
+        xp.start_trace(tmp_path)
+        with xp.Trace(name):
+            (torch.ones(3, device=DEV) * 2).sum().item()
+        runs.append(xp.stop_trace())
+    assert runs[0] != runs[1]
+    names = [{e[2] for e in _events(run)} for run in runs]
+    assert "first" in names[0] and "second" not in names[0]
+    assert "second" in names[1] and "first" not in names[1]
+
+
 def test_remote_capture_needs_xprof(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "xprof", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "xprof.convert", None)
