@@ -241,6 +241,35 @@ def test_minibatch_refuses_a_mesh_without_local_devices(two_process_ids):
         loader._upload_minibatch(torch.zeros(4, 2), spec, spec.annotation(2))
 
 
+@pytest.mark.parametrize("mesh, spec, match", [
+    # the batch axis inside each process, the model axis across them: every block on both
+    (xs.Mesh(np.arange(8), (2, 4), ("model", "data")), ("data", None),
+     r"block 0 of dimension 0 \(of 4\) is held by devices of processes \[0, 1\]"),
+    (xs.Mesh(np.arange(8), (8,), ("data",)), (None, None), r"processes \[0, 1\] under"),
+    (xs.Mesh(np.arange(8)[::-1], (8,), ("data",)), ("data", None),
+     r"blocks of dimension 0 on processes \[1, 1, 1, 1, 0, 0, 0, 0\]"),
+    (xs.Mesh([4, 5, 6, 7, 0, 1, 2, 3], (2, 4), ("data", "model")), ("data", None),
+     r"on processes \[1, 0\] in row order"),
+])
+def test_minibatch_refuses_blocks_not_in_process_order(two_process_ids, mesh, spec, match):
+    """Silent before: each process took the other's rows as its own (a loss over half the batch,
+    different on each process), or rows in the mesh's device order."""
+    spec = xs.ShardingSpec(mesh, spec, minibatch=True)
+    with pytest.raises(ValueError, match=match):
+        loader._upload_minibatch(torch.zeros(8, 2), spec, spec.annotation(2))
+
+
+@pytest.mark.parametrize("shape, axes, spec", [
+    ((8,), ("data",), ("data", None)),
+    ((2, 4), ("data", "model"), ("data", "model")),
+    ((4, 2), ("data", "model"), ("data", None)),
+    ((2, 4), ("dcn", "ici"), (("dcn", "ici"), None)),
+])
+def test_minibatch_accepts_blocks_in_process_order(two_process_ids, shape, axes, spec):
+    spec = xs.ShardingSpec(xs.Mesh(np.arange(8), shape, axes), spec, minibatch=True)
+    loader._check_process_blocks(spec, spec.annotation(2))
+
+
 def test_the_world_is_chosen_before_the_devices_are_used():
     with pytest.raises(ValueError, match="world='galaxy' is not a world xshard knows; valid "
                                          "values: 'global'"):

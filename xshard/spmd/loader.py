@@ -132,6 +132,36 @@ def _local_tiles_dim0(annotation: sh.Annotation) -> int:
     return len({pos[0] for pos in np.ndindex(*assignment.shape) if int(assignment[pos]) in local})
 
 
+def _check_process_blocks(spec: ShardingSpec, annotation: sh.Annotation) -> None:
+    """A minibatch's global batch is the processes' batches concatenated in process order: each
+    block of dimension 0 must be held by one process's devices, the blocks in process order."""
+    owner = np.array([d.process_index for d in runtime.devices()])
+    assignment = annotation.plan.tile_assignment  # (*tile_shape, replicate_factor) of positions
+    blocks = owner[assignment].reshape(assignment.shape[0], -1)
+    layout = (f"the partition spec {spec.partition_spec!r} over mesh axes "
+              f"{spec.mesh.axis_names!r} of shape {tuple(spec.mesh.mesh_shape)}, devices "
+              f"{spec.mesh.device_ids.tolist()}")
+    shared = np.flatnonzero((blocks != blocks[:, :1]).any(axis=1))
+    if shared.size:
+        i = int(shared[0])
+        raise ValueError(
+            f"A minibatch ShardingSpec loads each process's own rows of the global batch, but "
+            f"block {i} of dimension 0 (of {len(blocks)}) is held by devices of processes "
+            f"{sorted(set(blocks[i].tolist()))} under {layout}: the batch dimension is not split "
+            f"between processes. Shard dimension 0 over a mesh axis that separates the processes' "
+            f"devices (e.g. the first axis of Mesh(np.arange(n), (process_count, ...))), or pass "
+            f"minibatch=False and load the whole global batch on every process.")
+    order = blocks[:, 0]
+    if np.any(np.diff(order) < 0):
+        raise ValueError(
+            f"A minibatch ShardingSpec makes the global batch the processes' batches in process "
+            f"order, but {layout} lays the blocks of dimension 0 on processes {order.tolist()} in "
+            f"row order, so rows would follow the mesh's device order instead (and differ from "
+            f"another tensor loaded over another mesh). List the mesh's devices so that the "
+            f"batch axis runs through the processes in ascending order (process 0's devices "
+            f"first), e.g. Mesh(np.arange(n), ...).")
+
+
 def _upload_minibatch(t: torch.Tensor, spec: ShardingSpec, annotation: sh.Annotation) -> ir.Node:
     if t.dim() == 0:
         raise ValueError("A minibatch ShardingSpec needs tensors with a batch dimension (dim 0).")
@@ -150,6 +180,7 @@ def _upload_minibatch(t: torch.Tensor, spec: ShardingSpec, annotation: sh.Annota
             f"{per_host} for {local_tiles} local shards of dimension 0 (partition spec "
             f"{spec.partition_spec!r} on mesh axes {spec.mesh.axis_names!r}). Use a batch size "
             f"that is a multiple of {local_tiles}, e.g. drop_last=True in the DataLoader.")
+    _check_process_blocks(spec, annotation)
     if runtime.process_count() == 1:
         return core.upload_annotated(t, annotation)
     jax = runtime.jax_module()
