@@ -85,16 +85,18 @@ def _from_local_shards(array) -> np.ndarray | None:
 def _gatherer(shape, dtype, sharding):
     """A compiled identity from ``sharding`` to replicated on the same devices, and its digest."""
     jax = runtime.jax_module()
-    target = _replicated(frozenset(sharding.device_set))
+    target = _replicated(tuple(sharding._device_assignment))
     aval = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     lowered = jax.jit(lambda x: x, out_shardings=target).lower(aval)
     return lowered.compile(), divergence.lowered_digest(lowered)
 
 
 @functools.lru_cache(maxsize=64)
-def _replicated(devices: frozenset):
+def _replicated(devices: tuple):
+    """Replicated over ``devices`` in their order (a sharding's device assignment: a program's
+    input and output shardings must list their devices in one order)."""
     jax = runtime.jax_module()
-    mesh = jax.sharding.Mesh(np.array(sorted(devices, key=runtime.position)), ("xshard_gather",))
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("xshard_gather",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
@@ -113,14 +115,21 @@ def replicated_from_local(array, sharding):
     if not distributed.ACTIVE:
         return jax.device_put(array, sharding)
     targets = list(sharding.addressable_devices_indices_map(array.shape))
-    if targets and not array.addressable_shards:
+    if not targets:
+        raise ValueError(
+            f"xshard cannot lay out a {tuple(array.shape)} value on devices of processes "
+            f"{_processes(sharding)} only: process {runtime.process_index()} holds none of them, "
+            f"so it would hold no part of the value to compute with or read. In a multi-process "
+            f"run every process runs the same script: use a mesh that includes devices of every "
+            f"process.")
+    if not array.addressable_shards:
         raise ValueError(
             f"xshard cannot copy a {tuple(array.shape)} value held only by devices of processes "
             f"{_processes(array.sharding)} onto devices of process {runtime.process_index()}: "
             f"there is no transfer between processes outside a program. Lay it out over a mesh "
             f"that includes this process's devices first (xs.mark_sharding), or compute it "
             f"there.")
-    local = array.addressable_shards[0].data if targets else None
+    local = array.addressable_shards[0].data
     pieces = [jax.device_put(local, d) for d in targets]
     return jax.make_array_from_single_device_arrays(array.shape, sharding, pieces)
 
@@ -140,7 +149,7 @@ def moved(array, sharding):
             digest, "move", f"a {tuple(array.shape)} {array.dtype} value sharded over devices of "
                             f"processes {_processes(array.sharding)}")
         array = gather(array)
-    replica = replicated_from_local(array, _replicated(frozenset(sharding.device_set)))
+    replica = replicated_from_local(array, _replicated(tuple(sharding._device_assignment)))
     return jax.device_put(replica, sharding)
 
 

@@ -44,6 +44,17 @@ def main():
     gram = x.T @ x  # contraction over the sharded dimension: an all-reduce across processes
     out["gram_ok"] = bool(torch.allclose(gram.cpu(), host.T @ host))
 
+    # Meshes listing devices out of order (HybridMesh's own order, a reversed mesh): a read
+    # gathers in the value's own device order (it raised: the gather's devices were sorted).
+    hybrid = xs.HybridMesh(ici_mesh_shape=(2, 2), dcn_mesh_shape=(1, 2), axis_names=("a", "b"))
+    reversed_mesh = xs.Mesh(np.arange(8)[::-1].copy(), (2, 4), ("a", "b"))
+    reads = []
+    for m in (hybrid, reversed_mesh):
+        w = host.to(dev)
+        xs.mark_sharding(w, m, ("a", "b"))
+        reads.append(bool(torch.equal((w * 2).cpu(), host * 2)))
+    out["unordered_mesh_reads"] = [hybrid.device_ids.tolist(), *reads]
+
     # Local shards: this process's devices only, named and indexed by position.
     shards = xs.XLAShardedTensor.wrap(x).local_shards
     out["shards"] = [[s.shard_device, s.indices[0].start, s.indices[0].stop] for s in shards]
