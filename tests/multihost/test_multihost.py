@@ -37,6 +37,7 @@ def test_basics_positions_uploads_reads_shards_collectives(tmp_path):
         assert r["spec"] == r["y_spec"] == "{devices=[8,1]0,1,2,3,4,5,6,7}"
         assert r["replicated_sum"] == 992.0
         assert r["read_ok"] and r["gram_ok"] and r["print"].startswith("tensor([[ 1.,  4.,")
+        assert r["unordered_mesh_reads"] == [[0, 1, 4, 5, 2, 3, 6, 7], True, True]
         assert r["shards"] == [[f"CPU:{p}", p, p + 1] for p in positions]
         assert r["load_local_ok"] and r["manual_ok"] and r["rng_agree"] and r["submesh_ok"]
         assert r["memory_keys"] == positions
@@ -102,15 +103,15 @@ def test_divergence_is_an_error_on_every_process():
 
         read = r["rank0_only_read"]
         assert read["error"] == "MultiProcessDivergenceError"
-        assert "process 0: sync at divergence.py:66 `print(\"loss\", loss.item())`" in \
+        assert "process 0: sync at divergence.py:67 `print(\"loss\", loss.item())`" in \
             read["message"]
-        assert "process 1: sync at divergence.py:68 `xshard.sync()`" in read["message"]
+        assert "process 1: sync at divergence.py:69 `xshard.sync()`" in read["message"]
 
         upload = r["unseeded_upload"]
         assert upload["error"] == "MultiProcessDivergenceError"
         assert "values they copied to the devices since the previous check differ" in \
             upload["message"]
-        assert "a (4, 4) float32 tensor at divergence.py:72 `layer = nn.Linear(4, 4).to(dev)`" \
+        assert "a (4, 4) float32 tensor at divergence.py:73 `layer = nn.Linear(4, 4).to(dev)`" \
             in upload["message"]
 
         fsdp = r["unseeded_fsdp"]
@@ -121,14 +122,18 @@ def test_divergence_is_an_error_on_every_process():
         seeds = r["seeded_per_rank"]
         assert seeds["error"] == "MultiProcessDivergenceError"
         assert "The device random seeds differ (process 0: 0; process 1: 1)" in seeds["message"]
+        number = r["number_per_rank"]  # its message failed to build (TypeError)
+        assert number["error"] == "MultiProcessDivergenceError"
+        assert "Scalar input 0 of the program differs (process 0: 1.0; process 1: 2.0)" in \
+            number["message"]
         for case in ("shapes_differ", "rank0_only_read", "unseeded_upload", "unseeded_fsdp",
-                     "seeded_per_rank"):
+                     "seeded_per_rank", "number_per_rank"):
             assert r[case]["seconds"] < 5, (case, r[case])
     skipped = results[0]["skipped_sync"]
     assert skipped["error"] == "MultiProcessTimeoutError"
-    assert f"process 0 waited {timeout} s at check #12" in skipped["message"]
-    assert "for process 1, which did not arrive; last seen: process 1 at check #11 (sync at " \
-           "divergence.py:95 `xshard.sync()`)" in skipped["message"]
+    assert f"process 0 waited {timeout} s at check #13" in skipped["message"]
+    assert "for process 1, which did not arrive; last seen: process 1 at check #12 (sync at " \
+           "divergence.py:102 `xshard.sync()`)" in skipped["message"]
     assert timeout <= skipped["seconds"] < timeout + 3
     exited = results[0]["peer_exited"]
     assert exited["error"] == "MultiProcessTimeoutError"

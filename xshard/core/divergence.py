@@ -367,12 +367,16 @@ def _scalar_text(value) -> str:
 def _describe_graph(graph) -> dict:
     from xshard.core import ir
 
-    def dtype(node):
-        return str(node.dtype).replace("torch.", "")
+    def value(shape, dtype):
+        return f"{tuple(shape)} {str(dtype).replace('torch.', '')}"
 
-    inputs = [("scalar " if n.op is ir.SCALAR else "") + f"{tuple(n.shape)} {dtype(n)}"
-              for n in graph.inputs]
-    ops = [f"{n.op} {tuple(n.shape)} {dtype(n)}" for n in graph.order
+    def values(node):  # a multi-output node (cross_entropy's, dropout's) has one per output
+        if node.outputs is None:
+            return value(node.shape, node.dtype)
+        return ", ".join("-" if o is None else value(*o) for o in node.outputs)
+
+    inputs = [("scalar " if n.op is ir.SCALAR else "") + values(n) for n in graph.inputs]
+    ops = [f"{n.op} {values(n)}" for n in graph.order
            if n.op is not ir.DATA and n.op is not ir.SCALAR][:_MAX_OPS]
     roles = {}
     for n in graph.order:

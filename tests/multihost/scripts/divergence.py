@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from common import report, start
 
@@ -76,6 +77,11 @@ def main():
         model = FSDP(GPT(TINY))
         return model
 
+    def number_per_rank():  # in a program with multi-output nodes (cross_entropy's)
+        x = torch.ones(4, 3, device=dev)
+        y = torch.zeros(4, dtype=torch.long, device=dev)
+        return F.cross_entropy(x * (1.0 + rank), y).item()
+
     def seeded_per_rank():
         torch.manual_seed(rank)
         return torch.rand(4, device=dev).sum().item()
@@ -88,6 +94,7 @@ def main():
     torch.manual_seed(0)
     attempt(results, "seeded_alike_fsdp", lambda: FSDP(GPT(TINY)))
     attempt(results, "seeded_per_rank", seeded_per_rank)
+    attempt(results, "number_per_rank", number_per_rank)
     torch.manual_seed(0)
 
     # Out of step from here: process 1 skips a sync, then exits while process 0 waits again.
