@@ -2,12 +2,14 @@
 as it was, and the same function still runs on the lazy path."""
 
 import copy
+import dataclasses
 import random
 import types
 
 import numpy as np
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import xshard
 from compile_testing import DEV, MLP, make_batches
@@ -101,6 +103,38 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_returned_object_hiding_tensors_is_refused(trained):
+    """A dataclass pytree does not know: every call returned the first call's object (its loss
+    then unreadable); refused with the fix, the state as it was. Registered, it is a pytree."""
+    model, opt, x, y = trained
+
+    @dataclasses.dataclass
+    class Result:
+        loss: torch.Tensor
+        step: int
+
+    def train(model, opt, x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return Result(loss, 1)
+
+    before = [p.cpu() for p in model.parameters()]
+    with pytest.raises(CaptureError, match=r"returns a Result holding device tensors \(loss\).*"
+                                           r"register_dataclass"):
+        xshard.compile(train)(model, opt, x, y)
+    assert all(torch.equal(p.cpu(), b) for p, b in zip(model.parameters(), before))
+    assert len(opt.state) == 0
+    pytree.register_dataclass(Result)
+    try:
+        step = xshard.compile(train)
+        losses = [step(model, opt, x, y) for _ in range(3)]
+        assert len({id(r) for r in losses}) == 3 and losses[0].loss.item() > losses[2].loss.item()
+    finally:
+        pytree._deregister_pytree_node(Result)
 
 
 def test_scheduler_inside_the_step(trained):
@@ -303,6 +337,12 @@ def test_number_used_as_a_number(trained):
         xshard.compile(repeat)(x, 2)
     out = xshard.compile(repeat, static_argnums=1)(x, 2)
     torch.testing.assert_close(out.cpu(), torch.tanh(torch.tanh(x)).cpu())
+
+    def weigh(x, weights):  # a list of numbers made a tensor: it raised NotImplementedError
+        return x[:, :2] * torch.as_tensor(weights, device=x.device)
+
+    with pytest.raises(CaptureError, match=r"torch.as_tensor\(weights.*make it static"):
+        xshard.compile(weigh)(x, [2.0, 3.0])
 
 
 def test_argument_with_autograd_history_is_refused(trained):

@@ -60,8 +60,10 @@ def test_one_recording_and_one_compile_over_ten_steps():
     after = xshard.metrics.snapshot()
     assert step.traces == 1 and step.calls == 10 and step.retrace_reasons == []
     assert len(counter) == 1  # the function's Python ran once
-    # One graph compiled (the step), one execution per call, no lazy work left to sync.
-    assert after["compiles"] - before["compiles"] == 1
+    # One graph compiled (the step: or found compiled, when an earlier test compiled the same
+    # one), one execution per call, no lazy work left to sync.
+    looked_up = ("compiles", "cache_hits")
+    assert sum(after[k] - before[k] for k in looked_up) == 1
     assert after["executions"] - before["executions"] == 10
     assert after["cpu_fallbacks"] == before["cpu_fallbacks"]
 

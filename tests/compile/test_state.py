@@ -323,6 +323,28 @@ def test_written_view_argument_is_refused_and_read_views_work():
     assert y.tolist() == [16.0] * 4  # 1 + (3 + 3) + (4 + 5): x[1:3] was written above
 
 
+def test_written_cpu_argument_is_refused_and_read_ones_work():
+    """A CPU tensor argument is moved to the device: a step writing it (a counter) is refused
+    with the fix (the write was lost, silently: the counter stayed 0); one it reads works."""
+    def count_calls(x, count):
+        count += 1
+        return x * 2
+
+    step = xshard.compile(count_calls)
+    x, count = torch.ones(2, device=DEV), torch.zeros((), dtype=torch.int64)
+    with pytest.raises(StateError, match=r"argument 1 is a CPU tensor and the step writes it in "
+                                         r"place.*t.to\(xshard.device\(\)\)"):
+        step(x, count)
+    assert count.item() == 0
+    on_device = count.to(DEV)
+    for _ in range(3):
+        step(x, on_device)
+    assert on_device.item() == 3
+    scale = xshard.compile(lambda a, w: a * w)
+    assert scale(x, torch.tensor([2.0, 3.0])).tolist() == [2.0, 3.0]
+    assert scale(x, torch.tensor([4.0, 5.0])).tolist() == [4.0, 5.0]
+
+
 @pytest.mark.parametrize("when", ["before the first call", "between calls"])
 def test_parameters_viewing_one_flat_vector_are_refused(when):
     """Parameters made views of one vector (vector_to_parameters) and updated by the step: a

@@ -59,10 +59,11 @@ def _settings_of(obj):
 class Arguments:
     """One call's arguments, flattened and classified, with the key programs are filed under."""
 
-    __slots__ = ("leaves", "treedef", "kinds", "key", "views", "_names")
+    __slots__ = ("leaves", "treedef", "kinds", "key", "views", "hosts", "_names")
 
     def __init__(self, compiled: "CompiledStep", args, kwargs):
         self.views = {}  # leaf index -> the view passed there (the step gets a copy)
+        self.hosts = set()  # leaf indices of CPU tensors (the step gets a device copy)
         if not kwargs and not compiled.static_argnums and all(
                 api.is_device_tensor(a) and not api.is_view(a) and api.settled(a) for a in args):
             # The common call, step(x, y): device tensors only.
@@ -93,6 +94,7 @@ class Arguments:
                     pending = True
                 kinds.append(_TENSOR)
             elif isinstance(leaf, torch.Tensor):
+                self.hosts.add(i)
                 moved = leaf.detach().to(compiled.device)
                 leaves[i] = moved.requires_grad_() if leaf.requires_grad else moved
                 kinds.append(_TENSOR)

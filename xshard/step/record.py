@@ -197,8 +197,8 @@ class Recording:
                     host_reads:
                 out = compiled.fn(*fn_args, **fn_kwargs)
             self._check_host_state(rates, program.groups, slots, host_values)
-            if args.views:
-                self._refuse_written_views(leaves, wrapped)
+            if args.views or args.hosts:
+                self._refuse_written_copies(leaves, wrapped)
             self._build_in_rates(rates, program.groups)
             program.draws = self._draws(stream)  # refuses a step seeding the streams first
             self._refuse_host_draws(cpu_stream, generators)
@@ -306,14 +306,22 @@ class Recording:
             f"(device=xshard.device(), or x.device), where each call draws anew, or pass them "
             f"as arguments.")
 
-    def _refuse_written_views(self, leaves, wrapped) -> None:
-        """A view argument is passed by value (a copy, see compiled.Arguments): refused when the
-        step writes it, or the storage it views through another argument or the state, since
-        eager would see the write through the view (or the base)."""
+    def _refuse_written_copies(self, leaves, wrapped) -> None:
+        """View and CPU tensor arguments are passed by value (copies, see compiled.Arguments):
+        refused when the step writes one (or, for a view, the storage it views through another
+        argument or the state), since eager would see the write through the view (or the base),
+        or in the CPU tensor."""
         def written(cell):
             w = wrapped.get(id(cell))
             return w is not None and api.storage_value(cell) is not w[2]
 
+        for i in sorted(self.args.hosts):
+            if written(api.storage(leaves[i])):
+                raise StateError(
+                    f"xshard.compile({self.compiled.name}): {self.args.name(i)} is a CPU tensor "
+                    f"and the step writes it in place. A compiled step runs on a device copy of a CPU argument, so the write would "
+                    f"not reach the CPU tensor. Pass it on the device (t.to(xshard.device()): "
+                    f"the step then updates it in place), or update it outside the step.")
         for i, view in self.args.views.items():
             if written(api.storage(leaves[i])) or written(api.storage(view)):
                 raise StateError(
@@ -670,8 +678,28 @@ class Recording:
                 returns.append(("new", shared_output[id(storage)],
                                 (node.shape, node.dtype, api.view_spec(leaf) if shared else None)))
             else:
+                self._refuse_hidden_tensors(leaf)
                 returns.append(("value", leaf, None))
         return returns
+
+    def _refuse_hidden_tensors(self, leaf) -> None:
+        """A returned object that holds device tensors where pytree does not look (a dataclass or
+        class not registered with it): a replay would return the recording's object, with the
+        recording's tensors."""
+        if not st.has_attributes(leaf) or isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer)):
+            return
+        try:
+            items = vars(leaf).items()
+        except TypeError:
+            return
+        held = [k for k, v in items if any(map(api.is_device_tensor, pytree.tree_leaves(v)))]
+        if held:
+            raise CaptureError(
+                f"xshard.compile({self.compiled.name}): the step returns a {type(leaf).__name__} "
+                f"holding device tensors ({', '.join(held)}), which xshard.compile does not look "
+                f"into: every call would return the first call's object. Return tensors in "
+                f"tuples, lists, dicts or namedtuples, or register the class with "
+                f"torch.utils._pytree (register_dataclass, register_pytree_node).")
 
     def _first_run(self, program: Program, planned, exits, wrapped):
         """Runs the program for the recording call and stores its results."""
