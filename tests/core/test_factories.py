@@ -236,6 +236,16 @@ def test_item_and_scalar_conversion():
         x.item()
 
 
+def test_tensor_from_a_list_of_zero_dim_device_tensors():
+    """torch.tensor / as_tensor read each 0-d tensor of a list with the Python key excluded
+    (it raised NotImplementedError: no _local_scalar_dense kernel for the device)."""
+    values = [torch.tensor(3, device=DEV), torch.tensor(4, device=DEV) * 2]
+    for make in (torch.as_tensor, torch.tensor):
+        out = make(values)
+        assert out.tolist() == [3, 8] and out.dtype == torch.int64
+    assert torch.as_tensor([2.5, torch.tensor(1.5, device=DEV)]).tolist() == [2.5, 1.5]
+
+
 def test_torch_save_load_tensor_and_state_dict():
     torch.manual_seed(0)
     model = nn.Linear(4, 3).to(DEV)

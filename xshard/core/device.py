@@ -34,7 +34,9 @@ def register() -> None:
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _LIB.impl(name, _factory_kernel(op), "PrivateUse1")
     # copy_ between devices with the Python key excluded (torch.tensor(data, device=...)).
-    _LIB.impl("_copy_from", tensor.copy_from, "PrivateUse1")
+    _LIB.impl("_copy_from", _copy_from_kernel, "PrivateUse1")
+    # .item() with the Python key excluded (torch.as_tensor([t0, t1]) of 0-d device tensors).
+    _LIB.impl("_local_scalar_dense", _local_scalar_dense_kernel, "PrivateUse1")
     # torch.optim picks its fast foreach implementation only for tensor types it knows.
     from torch.optim import optimizer
 
@@ -42,10 +44,19 @@ def register() -> None:
         optimizer._foreach_supported_types.append(XTensor)
 
 
+# The kernels look xshard's functions up when called (xshard.step.dynamo wraps them).
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
         return tensor.factory(op, args, kwargs)
     return kernel
+
+
+def _copy_from_kernel(src, dst, non_blocking=False):
+    return tensor.copy_from(src, dst, non_blocking)
+
+
+def _local_scalar_dense_kernel(t):
+    return tensor.local_scalar_dense(t)
 
 
 def device() -> torch.device:

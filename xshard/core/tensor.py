@@ -362,6 +362,12 @@ def copy_from(src, dst, non_blocking=False):
     return transfer.copy_(dst, src)
 
 
+def local_scalar_dense(t):
+    """Kernel of ``aten::_local_scalar_dense`` for the xshard device (the Python key excluded:
+    ``torch.as_tensor([t0, t1])`` reads each 0-d tensor)."""
+    return transfer.item(t)
+
+
 def _to_copy(func, args, kwargs):
     out = transfer.to_copy(args[0], kwargs)
     if isinstance(out, torch.Tensor):
