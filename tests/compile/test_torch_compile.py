@@ -88,3 +88,67 @@ def test_cpu_tensors_still_compile(fresh_warning):
     a = torch.randn(5)
     torch.testing.assert_close(fn(a), torch.sin(a) * 2)
     assert len(seen) == 1
+
+
+def _reads_and_transfers():
+    weight = torch.ones(4) * 3
+    return {
+        "item": lambda t: (t * 2).sum().item(),
+        "cpu": lambda t: (t * 3).cpu(),
+        "tolist": lambda t: (t * 2).tolist(),
+        "to_device": lambda t: t * weight.to(t.device),
+        "tensor_on_device": lambda t: t * torch.tensor([1.0, 2.0, 3.0, 4.0], device=t.device),
+        "mask": lambda t: t[t > 1],  # a CPU fallback
+    }
+
+
+@pytest.mark.filterwarnings("ignore:.*xshard.compile")
+@pytest.mark.parametrize("case", list(_reads_and_transfers()))
+def test_reads_transfers_and_fallbacks_run_lazily(fresh_warning, case):
+    """They failed inside Dynamo, which traced the code JAX runs for them (an InternalTorchDynamo
+    Error, or a LoweringError naming a JAX tracer)."""
+    f = _reads_and_transfers()[case]
+    x = torch.arange(4.0)
+    got = torch.compile(f)(x.to(DEV))
+    want = f(x)
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got.cpu(), want)
+    else:
+        assert got == want
+
+
+def _subtract(x):
+    x -= 1
+    return x
+
+
+def _scale_row(x):
+    x[0] *= 5
+    return x
+
+
+def _add_number(x, n):
+    x += n
+    return x
+
+
+@pytest.mark.filterwarnings("ignore:.*xshard.compile")
+@pytest.mark.parametrize("fn, extra", [(_subtract, ()), (_scale_row, ()), (_add_number, (2,))])
+def test_augmented_assignment_on_an_input(fresh_warning, fn, extra):
+    """``x -= 1`` on an xshard input sent Dynamo into a RecursionError."""
+    got = torch.compile(fn)(torch.arange(3.0, device=DEV), *extra)
+    assert torch.equal(got.cpu(), fn(torch.arange(3.0), *extra))
+
+
+@pytest.mark.filterwarnings("ignore:.*xshard.compile")
+def test_sharded_tensor_runs_lazily(fresh_warning):
+    """What mark_sharding returns (an XLAShardedTensor, a subclass): Dynamo took it for a tensor
+    it could fake, and failed."""
+    import numpy as np
+
+    import xshard.spmd as xs
+
+    x = torch.randn(16, 4)
+    sharded = xs.mark_sharding(x.to(DEV), xs.Mesh(np.arange(8), (8,), ("data",)), ("data", None))
+    got = torch.compile(lambda t: torch.tanh(t) * 2)(sharded)
+    torch.testing.assert_close(got.cpu(), torch.tanh(x) * 2)

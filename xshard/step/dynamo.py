@@ -21,10 +21,13 @@ graphs it gets as they are.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import sys
 import warnings
+
+import torch
 
 from xshard.core import api
 from xshard.step.errors import user_stacklevel
@@ -32,6 +35,10 @@ from xshard.step.errors import user_stacklevel
 # xshard's own code, which Dynamo must call rather than trace (models stay traceable).
 _SKIPPED = ("xshard.core", "xshard.spmd", "xshard.fsdp", "xshard.mesh", "xshard.step",
             "xshard.memory")
+# The libraries that code calls (Dynamo skips numpy and the standard library already): a frame
+# it reaches there while Dynamo is active (JAX tracing a program, a transfer, a read) would
+# otherwise be traced by Dynamo, and fail inside it.
+_SKIPPED_LIBRARIES = ("jax", "jaxlib", "ml_dtypes", "opt_einsum", "scipy")
 _STATE = {"configured": False, "warned": False}
 
 
@@ -76,13 +83,14 @@ def _lazy_graphs_on_device(output_graph_class) -> None:
 class _NoticingSet(set):
     """Dynamo's ``config.nontraceable_tensor_subclasses``: Dynamo asks it about every tensor-like
     value it is about to trace, so a question about XTensor is the moment to warn (free on the
-    lazy path, where Dynamo asks nothing)."""
+    lazy path, where Dynamo asks nothing). Dynamo asks about a value's exact type, so the
+    subclasses of XTensor (``XLAShardedTensor``) are in it too."""
 
     def __contains__(self, item):
-        found = set.__contains__(self, item)
-        if found and getattr(item, "_xshard_tensor", False):
+        if isinstance(item, type) and getattr(item, "_xshard_tensor", False):
             _warn_once()
-        return found
+            return True
+        return set.__contains__(self, item)
 
 
 def _warn_once() -> None:
@@ -103,10 +111,12 @@ def configure(dynamo) -> None:
     from xshard.core.tensor import XTensor
 
     XTensor._xshard_tensor = True
+    _kernels_outside_dynamo()
+    _augmented_assignments_in_python(XTensor)
     noticing = _NoticingSet(dynamo.config.nontraceable_tensor_subclasses)
     noticing.add(XTensor)
     dynamo.config.nontraceable_tensor_subclasses = noticing
-    for name in _SKIPPED:
+    for name in _SKIPPED + _SKIPPED_LIBRARIES:
         dynamo.trace_rules.add(name)
     _skip_torch_optim(dynamo.trace_rules)
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
@@ -116,6 +126,56 @@ def configure(dynamo) -> None:
     from torch._dynamo.output_graph import OutputGraph
 
     _lazy_graphs_on_device(OutputGraph)
+
+
+def _kernels_outside_dynamo() -> None:
+    """Runs xshard's kernels (its tensors' ops, the device's factories and copies) with Dynamo's
+    frame hook off. An op on an xshard tensor under ``torch.compile`` runs on the lazy path (a
+    graph break), but the hook stays on for the frames it calls: Dynamo tried to trace the code
+    JAX generates for a transfer or a compile (a dataclass ``__init__`` from ``<string>``) and
+    failed inside itself. Two C calls per op, once Dynamo is loaded."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    from xshard.core import tensor
+
+    def outside(fn):
+        @functools.wraps(fn)
+        def kernel(*args, **kwargs):
+            prior = set_eval_frame(None)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                set_eval_frame(prior)
+        return kernel
+
+    # ``dispatch``, not ``__torch_dispatch__``: that one looks at its caller's frame.
+    tensor.dispatch = outside(tensor.dispatch)
+    tensor.factory = outside(tensor.factory)
+    tensor.copy_from = outside(tensor.copy_from)
+    tensor.local_scalar_dense = outside(tensor.local_scalar_dense)
+
+
+_AUGMENTED = ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+              "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+              "__imatmul__")
+
+
+def _augmented_assignments_in_python(cls) -> None:
+    """``x += 1`` on an xshard tensor under ``torch.compile``: Dynamo looks ``__iadd__`` up on the
+    opaque object, finds torch.Tensor's C slot, and recurses until RecursionError. A Python
+    method (in this skipped module) it calls instead, breaking the graph there."""
+    for name in _AUGMENTED:
+        slot = getattr(torch.Tensor, name, None)
+        if slot is not None and name not in cls.__dict__:
+            setattr(cls, name, _calling(slot, name))
+
+
+def _calling(slot, name):
+    def method(self, other):
+        return slot(self, other)
+
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
 def _skip_torch_optim(trace_rules) -> None:
