@@ -221,6 +221,9 @@ def test_metrics_snapshot_and_report():
     assert " s total" in text or "ms" in text
     metrics.reset()
     assert metrics.snapshot()["executions"] == 0
+    (fresh(3) + 2).cpu()
+    metrics.clear_metrics()  # the timings alone: no "0.0 ms each" over the counted executions
+    assert "executions:      1 (0.0 ms dispatching)" in metrics.report()
     metrics.METRICS.executions = snap["executions"]  # leave the counters usable
 
 

@@ -395,12 +395,18 @@ def reset() -> None:
 def report() -> str:
     """A readable summary of the counters and timings."""
     m = METRICS
+
+    def each(name, digits):  # over the metric's own samples: counters and metrics clear apart
+        metric = m.series.get(name)
+        if metric is None or not metric.total:
+            return ")"
+        return f", {metric.accumulator / metric.total / 1e6:.{digits}f} ms each)"
+
     lines = [
-        f"compiles:        {m.compiles} ({m.compile_seconds:.3f} s total"
-        + (f", {m.compile_seconds / m.compiles * 1e3:.1f} ms each)" if m.compiles else ")"),
+        f"compiles:        {m.compiles} ({m.compile_seconds:.3f} s total" + each(COMPILE_TIME, 1),
         f"cache hits:      {m.cache_hits}",
         f"executions:      {m.executions} ({m.execute_seconds * 1e3:.1f} ms dispatching"
-        + (f", {m.execute_seconds / m.executions * 1e3:.2f} ms each)" if m.executions else ")"),
+        + each(EXECUTE_TIME, 2),
     ]
     if m.cpu_fallbacks:
         lines.append("cpu fallbacks:")

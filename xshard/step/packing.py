@@ -132,15 +132,20 @@ class Layout:
     def unpack(self, packed) -> list:
         """The members' arrays, cut out of ``packed`` (one cached program)."""
         if self._unpack is None:
-            jax = runtime.jax_module()
-            self._unpack = jax.jit(self.cut_all, out_shardings=[m.sharding for m in self.members])
+            def xshard_unpack_state(packed):  # the program's name in profiles
+                return self.cut_all(packed)
+
+            self._unpack = runtime.jax_module().jit(
+                xshard_unpack_state, out_shardings=[m.sharding for m in self.members])
         return list(self._unpack(packed))
 
     def pack(self, arrays):
         """One packed array from the members' arrays (one cached program; they are kept)."""
         if self._pack is None:
-            self._pack = runtime.jax_module().jit(lambda *a: self.join(a),
-                                                  out_shardings=self.sharding)
+            def xshard_pack_state(*arrays):
+                return self.join(arrays)
+
+            self._pack = runtime.jax_module().jit(xshard_pack_state, out_shardings=self.sharding)
         return self._pack(*arrays)
 
 
