@@ -467,3 +467,34 @@ def test_settings_read_by_module_code_changed_between_calls(change):
     cpu, dev = run("cpu", False), run(DEV, True)
     assert_same_run(cpu, dev)
     assert dev[2].traces == 2 and reason in dev[2].retrace_reasons[0], dev[2].retrace_reasons
+
+
+HOOK_SCALE = 1.0
+
+
+def test_settings_read_by_hooks_are_compared_on_every_call():
+    """A global a tensor hook or a module hook reads was the first call's value on every later
+    call (gradients and outputs of SCALE=1 after SCALE was 5), silently."""
+    global HOOK_SCALE
+    w = torch.ones(3, device=DEV, requires_grad=True)
+    w.register_hook(lambda g: g * HOOK_SCALE)
+    lin = nn.Linear(3, 1, bias=False).to(DEV)
+    nn.init.ones_(lin.weight)
+    lin.register_forward_hook(lambda m, i, o: o * HOOK_SCALE)
+
+    @xshard.compile
+    def step(x):
+        (w * x).sum().backward()
+        g = w.grad.clone()
+        w.grad = None
+        return g, lin(x).sum()
+
+    x = torch.ones(3, device=DEV)
+    try:
+        for scale in (1.0, 5.0, 0.0, 5.0):
+            HOOK_SCALE = scale
+            g, y = step(x)
+            assert g.tolist() == [scale] * 3 and y.item() == 3 * scale
+        assert step.traces == 3  # 5.0 again: its program is found
+    finally:
+        HOOK_SCALE = 1.0

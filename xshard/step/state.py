@@ -427,7 +427,30 @@ def find_roots(fn, extra=()) -> Roots:
             forward = getattr(type(m), "forward", None)
             if isinstance(forward, types.FunctionType):
                 method(forward, m)
+            for hook in _module_hooks(m):  # what the hooks read, as the forward's
+                visit(hook)
+    for hooks in _GLOBAL_MODULE_HOOKS:
+        for hook in list(getattr(nn.modules.module, hooks, {}).values()):
+            visit(hook)
+    tensors = [t for root in roots.modules for t in (*root.parameters(), *root.buffers())]
+    tensors += [t for t, _ in roots.tensors]
+    tensors += [cell.cell_contents for cell, _ in roots.cells]
+    tensors += [container[key] for container, key, _ in roots.entries]
+    for t in tensors:
+        for hooks in (t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)):
+            for hook in list((hooks or {}).values()):
+                visit(hook)
     return roots
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                 "_backward_pre_hooks")
+_GLOBAL_MODULE_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                        "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def _module_hooks(m: nn.Module) -> list:
+    return [h for name in _MODULE_HOOKS for h in getattr(m, name, {}).values()]
 
 
 # [Note: settings read through objects]
