@@ -1,5 +1,6 @@
 """MpDeviceLoader and ShardingSpec: batches arrive sharded, prefetched, with the values loaded."""
 
+import collections
 import threading
 
 import numpy as np
@@ -170,7 +171,7 @@ def test_abandoned_iterator_stops_its_thread(mesh):
     spec = xs.ShardingSpec(mesh, ("data", None))
     it = iter(xs.MpDeviceLoader(endless(), DEV, input_sharding=spec))
     next(it)
-    thread = it._thread
+    thread = it._worker.thread
     del it
     gc.collect()
     thread.join(timeout=10)
@@ -192,3 +193,53 @@ def test_batches_of_any_structure(mesh):
         assert t.device == xshard.device()
         assert xs.get_sharding_spec(t).startswith("{devices=[4,1,2]")
     assert torch.equal(got["encoding"]["ids"].cpu(), torch.arange(16).reshape(8, 2))
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.full((3,), float(i)), i
+
+
+def test_a_pass_left_early_stops_before_the_next_starts():
+    """A DataLoader with persistent workers has one iterator, which each pass resets: the thread
+    of a pass left with ``break`` was still inside it, and the next pass failed in the
+    DataLoader (or, rarely, lost a batch)."""
+    data = torch.utils.data.DataLoader(_Rows(), batch_size=4, num_workers=2,
+                                       persistent_workers=True)
+    loader = xs.MpDeviceLoader(data, DEV)
+    expected = [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    for epoch in range(6):
+        for i, _ in enumerate(loader):
+            if i == epoch % 3:
+                break
+        assert [b[1].cpu().tolist() for b in loader] == expected
+    # Two passes at once are still two passes (without persistent workers, as in PyTorch).
+    loader = xs.MpDeviceLoader(torch.utils.data.DataLoader(_Rows(), batch_size=4), DEV)
+    pairs = list(zip(loader, loader))
+    assert [(a[1].cpu().tolist(), b[1].cpu().tolist()) for a, b in pairs] == \
+        [(e, e) for e in expected]
+
+
+def test_a_one_shot_source_goes_on_where_the_last_pass_stopped():
+    """The batches a pass left early had taken (prefetched) come first in the next pass over a
+    generator (they were lost; or two threads read the generator at once)."""
+    def stream():
+        for i in range(10):
+            yield torch.full((8, 2), float(i))
+
+    loader = xs.MpDeviceLoader(stream(), DEV, prefetch=2)
+    first = [int(b[0, 0].item()) for _, b in zip(range(2), loader)]
+    assert first == [0, 1]
+    assert [int(b[0, 0].item()) for b in loader] == list(range(2, 10))
+
+
+def test_dict_batches_keep_their_mapping_type(mesh):
+    """A defaultdict batch with a dict of specs (rebuilding it raised TypeError)."""
+    batch = collections.defaultdict(list, x=torch.ones(8, 2), y=torch.arange(8))
+    spec = {"x": xs.ShardingSpec(mesh, ("data", None)), "y": None}
+    got = next(iter(xs.MpDeviceLoader([batch], DEV, input_sharding=spec)))
+    assert type(got) is collections.defaultdict and got.default_factory is list
+    assert got["x"].device == DEV and got["y"].cpu().tolist() == list(range(8))

@@ -24,10 +24,12 @@ Example:
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import queue
 import threading
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -218,7 +220,12 @@ def _transfer(batch, input_sharding):
                     f"keys: {sorted(map(str, input_sharding))}. Add an entry for it (None to "
                     f"replicate it).")
             out[key] = _transfer(value, input_sharding[key])
-        return type(batch)(out) if type(batch) is not dict else out
+        if type(batch) is dict:
+            return out
+        rebuilt = copy.copy(batch)  # its own type, a defaultdict's factory kept
+        rebuilt.update(out)
+        return rebuilt
+
     def upload(t):
         applies = input_sharding is not None and input_sharding.can_apply(t)
         return _upload(t, input_sharding if applies else None)
@@ -320,39 +327,68 @@ def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
     return False
 
 
-def _prefetch_worker(source, input_sharding, q: queue.Queue, stop: threading.Event) -> None:
+def _prefetch_worker(source, input_sharding, q: queue.Queue, stop: threading.Event,
+                     spill: list) -> None:
     # A plain function, not a method: the thread must not keep the iterator alive, so that an
-    # abandoned iterator is collected and its __del__ stops the thread.
+    # abandoned iterator is collected and its __del__ stops the thread. A batch it took but could
+    # not queue before being stopped goes to ``spill``.
     try:
         for batch in source:
             with divergence.collect_uploads() as uploads:
-                transferred = _transfer(batch, input_sharding)
-            if not _put(q, stop, _Transferred(transferred, uploads)):
+                transferred = _Transferred(_transfer(batch, input_sharding), uploads)
+            if not _put(q, stop, transferred):
+                spill.append(transferred)
                 return
     except BaseException as e:  # handed to the consumer, raised there
-        _put(q, stop, _Failure(e))
+        if not _put(q, stop, _Failure(e)):
+            spill.append(_Failure(e))
         return
     _put(q, stop, _DONE)
 
 
-class _PrefetchIterator:
-    """Iterates a loader with a thread that keeps ``prefetch`` transferred batches ready."""
+class _Worker:
+    """The thread of one pass: it keeps ``prefetch`` transferred batches ready in ``queue``;
+    ``leftovers``, batches an earlier pass over the same one-shot source had taken, come first."""
 
-    def __init__(self, loader, input_sharding, prefetch: int):
-        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=_prefetch_worker, args=(iter(loader), input_sharding, self._queue, self._stop),
+    def __init__(self, loader, input_sharding, prefetch: int, leftovers=()):
+        self.one_shot = isinstance(loader, Iterator)
+        self.leftovers = collections.deque(leftovers if self.one_shot else ())
+        self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self.stop = threading.Event()
+        self.spill: list = []
+        self.thread = threading.Thread(
+            target=_prefetch_worker,
+            args=(iter(loader), input_sharding, self.queue, self.stop, self.spill),
             name="xshard-MpDeviceLoader", daemon=True)
-        self._thread.start()
+        self.thread.start()
+
+    def finish(self) -> list:
+        """Stops the thread and waits until it has left the source (a new pass may then iterate
+        it: a DataLoader's persistent workers, a generator); returns the batches it had taken
+        that were not handed out."""
+        self.stop.set()
+        self.thread.join()
+        taken = list(self.leftovers)
+        while not self.queue.empty():
+            taken.append(self.queue.get_nowait())
+        taken += self.spill
+        return [item for item in taken if isinstance(item, (_Transferred, _Failure))]
+
+
+class _PrefetchIterator:
+    """Iterates a loader through a ``_Worker``."""
+
+    def __init__(self, worker: _Worker):
+        self._worker = worker
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self._stop.is_set():
+        worker = self._worker
+        if worker.stop.is_set() and not worker.leftovers:
             raise StopIteration
-        item = self._queue.get()
+        item = worker.leftovers.popleft() if worker.leftovers else worker.queue.get()
         if item is _DONE:
             self.close()
             raise StopIteration
@@ -364,10 +400,39 @@ class _PrefetchIterator:
 
     def close(self) -> None:
         """Stops the background thread (it finishes the transfer in progress)."""
-        self._stop.set()
+        self._worker.stop.set()
 
     def __del__(self):
-        self._stop.set()
+        worker = self._worker
+        worker.stop.set()
+        if not worker.one_shot:  # a re-iterable source starts over: its batches are not kept
+            worker.leftovers.clear()
+            worker.spill.clear()
+            while not worker.queue.empty():
+                worker.queue.get_nowait()
+
+
+# The worker of the last pass over each source (a DataLoader, a generator): a pass left early
+# (``break``) may still be inside the source, and must leave it before a new pass starts.
+_LAST_PASS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _start_pass(source, input_sharding, prefetch: int) -> _PrefetchIterator:
+    """A pass over ``source``. The thread of a pass left early stops first (a DataLoader with
+    persistent workers has one iterator, which the new pass resets: the two interleaved lost
+    batches or failed); a one-shot source (a generator) goes on where it was, with the batches
+    that pass had taken. A pass still in use is left alone: zip(loader, loader)."""
+    try:
+        last = _LAST_PASS.get(source)
+    except TypeError:  # not weakly referable (a list): nothing shared between passes
+        last = None
+    leftovers = last.finish() if last is not None and last.stop.is_set() else []
+    worker = _Worker(source, input_sharding, prefetch, leftovers)
+    try:
+        _LAST_PASS[source] = worker
+    except TypeError:
+        pass
+    return _PrefetchIterator(worker)
 
 
 class MpDeviceLoader:
@@ -408,7 +473,7 @@ class MpDeviceLoader:
     def __iter__(self):
         if self.prefetch == 0:
             return (_materialize(_transfer(batch, self.input_sharding)) for batch in self._loader)
-        return _PrefetchIterator(self._loader, self.input_sharding, self.prefetch)
+        return _start_pass(self._loader, self.input_sharding, self.prefetch)
 
     def __len__(self):
         return len(self._loader)
