@@ -239,8 +239,9 @@ def _fallback(func, args, kwargs):
 # raises there returns zeros of its output's shape (its meta kernel's) and the error is raised by a
 # callback queued on the engine, which runs once the graph's nodes have, where the error travels
 # as PyTorch's own errors do: backward() (or autograd.grad) raises it, with its type and message.
-# An op a Python function calls (a custom Function's backward, a hook) raises as anywhere: the
-# function's caller keeps the error apart before the stack unwinds.
+# An op a custom Function's backward calls raises as anywhere: PyTorch keeps the error apart
+# before the stack unwinds. A hook's error is not kept apart (PyTorch's hook wrappers): the process
+# aborts (see README, "Known limits").
 _graph_task_id = torch._C._current_graph_task_id
 _DEFERRED: dict = {}  # graph task id -> the first error one of its ops raised
 # (PyTorch's function that calls the engine; None where a PyTorch release has another.)
