@@ -254,6 +254,47 @@ def test_errors_raised_in_backward_are_raised_by_backward():
     assert lines[9:] == ["empty True True"] * 4, proc.stdout
 
 
+_HOOK_ERRORS = r"""
+import torch
+import xshard
+
+for device in ("cpu", xshard.device()):
+    x = torch.randn(3, device=device, requires_grad=True)
+    y = x * 2
+    handle = y.register_hook(lambda g: 1 / 0)
+    for run in (lambda: y.sum().backward(retain_graph=True),
+                lambda: torch.autograd.grad(y.sum(), x, retain_graph=True)):
+        try:
+            run()
+            print("no error")
+        except ZeroDivisionError as e:
+            print("ZeroDivisionError", e)
+    handle.remove()
+    p = torch.ones(2, device=device, requires_grad=True)
+    p.register_post_accumulate_grad_hook(lambda t: int("x"))
+    try:
+        (p * 3).sum().backward()
+        print("no error")
+    except ValueError as e:
+        print("ValueError", "invalid literal" in str(e))
+    x.grad = None
+    (x * 3).sum().backward()  # backward goes on working
+    print("after", x.grad.cpu().tolist() == [3.0] * 3)
+"""
+
+
+def test_errors_raised_by_tensor_hooks_are_raised_by_backward():
+    """A Python error in a hook on an xshard tensor aborted the process ("terminate called
+    without an active exception"): PyTorch's Python device guard ran with the error set."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _HOOK_ERRORS], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    per_device = ["ZeroDivisionError division by zero"] * 2 + ["ValueError True", "after True"]
+    assert proc.stdout.splitlines() == per_device * 2, proc.stdout  # CPU, then xshard
+
+
 def test_double_backward_through_abs():
     """abs's derivative, sgn, has a zero derivative that autograd makes as an "efficient zero
     tensor" (``aten._efficientzerotensor``), which had no xshard kernel."""

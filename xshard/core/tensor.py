@@ -14,6 +14,7 @@ The path of one call (its route comes from the op's facts, xshard.core.ops):
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 import warnings
@@ -76,6 +77,14 @@ class XTensor(LazyTensor):
         _TENSOR_DATA.__set__(self, other)  # sizes, strides, dtype; raises for a non-tensor
         self._cell, self._chain, self._meta = other._cell, other._chain, other._meta
         self._cache, self._cache_version = None, -1
+
+    # A hook's Python error would abort the process (see [Note: errors in backward]): it is
+    # raised by backward() instead, once the graph's nodes have run.
+    def register_hook(self, hook):
+        return super().register_hook(_deferring(hook))
+
+    def register_post_accumulate_grad_hook(self, hook):
+        return super().register_post_accumulate_grad_hook(_deferring(hook))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -240,8 +249,10 @@ def _fallback(func, args, kwargs):
 # callback queued on the engine, which runs once the graph's nodes have, where the error travels
 # as PyTorch's own errors do: backward() (or autograd.grad) raises it, with its type and message.
 # An op a custom Function's backward calls raises as anywhere: PyTorch keeps the error apart
-# before the stack unwinds. A hook's error is not kept apart (PyTorch's hook wrappers): the process
-# aborts (see README, "Known limits").
+# before the stack unwinds. A hook's error is not kept apart (PyTorch's hook wrappers), so the
+# hooks registered on xshard tensors (``register_hook``, ``register_post_accumulate_grad_hook``)
+# defer theirs the same way; other hooks (on a grad_fn, a module's full backward hooks, saved
+# tensor hooks) cannot be wrapped, and an error there aborts (see README, "Known limits").
 _graph_task_id = torch._C._current_graph_task_id
 _DEFERRED: dict = {}  # graph task id -> the first error one of its ops raised
 # (PyTorch's function that calls the engine; None where a PyTorch release has another.)
@@ -256,7 +267,9 @@ def _called_by_engine(caller) -> bool:
     return caller is None or caller.f_code is _ENGINE_ENTRY
 
 
-def _raised_in_backward(func, args, kwargs, error):
+def _defer(error: BaseException) -> None:
+    """Raises ``error`` from the running backward once its nodes have run (the first error of a
+    graph task wins)."""
     task = _graph_task_id()
     if task not in _DEFERRED:
         _DEFERRED[task] = error
@@ -265,6 +278,26 @@ def _raised_in_backward(func, args, kwargs, error):
             raise _DEFERRED.pop(task)
 
         torch.autograd.Variable._execution_engine.queue_callback(raise_deferred)
+
+
+def _deferring(hook):
+    """``hook`` with an error it raises inside the autograd engine deferred (see ``_defer``); the
+    gradient it would have changed is left as it is."""
+    @functools.wraps(hook)
+    def deferring(*args):
+        try:
+            return hook(*args)
+        except BaseException as error:
+            if _graph_task_id() < 0:
+                raise
+            _defer(error)
+            return None
+
+    return deferring
+
+
+def _raised_in_backward(func, args, kwargs, error):
+    _defer(error)
     try:
         out = func(*tree_map(record.to_meta, args), **tree_map(record.to_meta, kwargs))
     except Exception:
