@@ -243,3 +243,22 @@ def test_dict_batches_keep_their_mapping_type(mesh):
     got = next(iter(xs.MpDeviceLoader([batch], DEV, input_sharding=spec)))
     assert type(got) is collections.defaultdict and got.default_factory is list
     assert got["x"].device == DEV and got["y"].cpu().tolist() == list(range(8))
+
+
+def test_dataclass_batches_arrive_on_the_device(mesh):
+    """Their tensors stayed on the CPU (the first op then raised a device mismatch)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        labels: list
+        name: str = "train"
+
+    batch = Batch(torch.ones(8, 2), [torch.arange(8), 3])
+    got = next(iter(xs.MpDeviceLoader([batch], DEV,
+                                      input_sharding=xs.ShardingSpec(mesh, ("data", None)))))
+    assert type(got) is Batch and got.name == "train" and got.labels[1] == 3
+    assert got.x.device == DEV and got.labels[0].device == DEV
+    assert torch.equal(got.x.cpu(), batch.x) and got.labels[0].cpu().tolist() == list(range(8))
+    assert xs.get_sharding_spec(got.x) != xs.get_sharding_spec(got.labels[0])

@@ -240,16 +240,24 @@ def _materialize(batch):
 
 def _map_leaves(tree, kind, fn):
     """``tree`` with ``fn`` applied to its leaves of type ``kind`` (PyTorch's pytree; a mapping
-    pytree does not know, such as a tokenizer's ``BatchEncoding``, becomes a dict)."""
+    pytree does not know, such as a tokenizer's ``BatchEncoding``, becomes a dict; a dataclass is
+    rebuilt field by field)."""
     def visit(x):
         if isinstance(x, kind):
             return fn(x)
         if isinstance(x, Mapping):
             return {k: _map_leaves(v, kind, fn) for k, v in x.items()}
+        if _is_dataclass(x):  # field by field, rebuilt with dataclasses.replace
+            return dataclasses.replace(x, **{f.name: _map_leaves(getattr(x, f.name), kind, fn)
+                                             for f in dataclasses.fields(x) if f.init})
         return x
 
-    return tree_map(visit, tree, is_leaf=lambda x: isinstance(x, Mapping) and
-                    type(x) not in _PYTREE_MAPPINGS)
+    return tree_map(visit, tree, is_leaf=lambda x: (isinstance(x, Mapping) and type(x) not in
+                                                    _PYTREE_MAPPINGS) or _is_dataclass(x))
+
+
+def _is_dataclass(x) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
 _PYTREE_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
@@ -439,8 +447,8 @@ class MpDeviceLoader:
     """Wraps a loader so that its batches arrive on the xshard device, sharded and prefetched.
 
     Args:
-        loader: any iterable of batches: tensors, tuples/lists or dicts of them (e.g. a
-            ``torch.utils.data.DataLoader``). Non-tensor leaves pass through unchanged.
+        loader: any iterable of batches: tensors, tuples/lists, dicts or dataclasses of them (e.g.
+            a ``torch.utils.data.DataLoader``). Non-tensor leaves pass through unchanged.
         device: ``xshard.device()``.
         input_sharding: a ``ShardingSpec`` applied to every tensor whose rank matches it (others
             are replicated), or a dict of ``ShardingSpec`` (or None, to replicate) keyed like the
