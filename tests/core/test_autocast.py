@@ -427,3 +427,102 @@ def test_recurrent_layers_under_autocast(kind):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32
         assert_same(p.grad, q.grad, rtol=5e-2, atol=5e-2)
+
+
+# -- GradScaler's ops ---------------------------------------------------------------------------
+
+
+def _grads(dtype, poison):
+    torch.manual_seed(3)
+    grads = [torch.randn(5, 3).to(dtype), torch.randn(()).to(dtype), torch.randn(7).to(dtype)]
+    if poison is not None:
+        grads[2][4] = poison
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16, torch.float64])
+@pytest.mark.parametrize("poison", [None, float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("found_shape", [(), (1,)])
+def test_unscale_matches_eager_on_the_device(dtype, poison, found_shape):
+    """``_amp_foreach_non_finite_check_and_unscale_`` (GradScaler.unscale_) runs on the device,
+    no CPU fallback (it read every gradient to the host), with eager's values and found_inf."""
+    for found in (0.0, 1.0):
+        grads = _grads(dtype, poison)
+        found_inf, inv = torch.full(found_shape, found), torch.full(found_shape, 1 / 1024)
+        ours = [g.to(DEV) for g in grads]
+        found_d = found_inf.to(DEV)
+        with counting() as delta:
+            torch._amp_foreach_non_finite_check_and_unscale_(ours, found_d, inv.to(DEV))
+            xshard.sync()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+        assert delta["cpu_fallbacks"] == {}
+        assert_same(ours, grads, rtol=0, atol=0)
+        assert_same(found_d, found_inf, rtol=0, atol=0)
+
+
+def test_unscale_of_no_gradients_and_its_errors():
+    found = torch.zeros((), device=DEV)
+    torch._amp_foreach_non_finite_check_and_unscale_([], found, torch.ones((), device=DEV))
+    assert found.item() == 0.0
+    grads = [torch.ones(2, device=DEV)]
+    with pytest.raises(RuntimeError, match="found_inf must be a float tensor"):
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, torch.zeros((), dtype=torch.float64, device=DEV), torch.ones((), device=DEV))
+    with pytest.raises(RuntimeError, match="inv_scale must be a 1-element tensor"):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(2, device=DEV))
+    with pytest.raises(NotImplementedError, match="must be floating point"):
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [torch.ones(2, dtype=torch.int64, device=DEV)], found, torch.ones((), device=DEV))
+
+
+@pytest.mark.parametrize("growth, backoff, scale", [(2.0, 0.5, 1024.0), (1.1, 0.3, 1000.0),
+                                                    (2.0, 0.5, 3e38)])
+def test_update_scale_matches_eager_on_the_device(growth, backoff, scale):
+    """``_amp_update_scale_`` (GradScaler.update): backoff after an overflow, growth after
+    ``growth_interval`` good steps (kept when the grown scale overflows: 3e38 * 2), products
+    rounded from float64 as ATen's kernel does (1.1, 0.3), and it returns the scale tensor."""
+    s, tracker = torch.tensor(scale), torch.tensor(0, dtype=torch.int32)
+    s_d, tracker_d = s.to(DEV), tracker.to(DEV)
+    for found in [0, 0, 0, 1, 0, 0, 0, 0, float("nan"), 0, 0, 0]:
+        found_inf = torch.tensor(float(found))
+        with counting() as delta:
+            out = torch._amp_update_scale_(s_d, tracker_d, found_inf.to(DEV), growth, backoff, 3)
+            xshard.sync()
+        torch._amp_update_scale_(s, tracker, found_inf, growth, backoff, 3)
+        assert out is s_d and delta["cpu_fallbacks"] == {}
+        assert_same(s_d, s, rtol=0, atol=0)
+        assert_same(tracker_d, tracker, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="growth_tracker must be an int tensor"):
+        torch._amp_update_scale_(s_d, tracker_d.long(), found_inf.to(DEV), 2.0, 0.5, 3)
+
+
+def test_grad_scaler_loop_matches_eager():
+    """A float16 GradScaler loop, with a step whose gradients overflow (skipped, scale backed
+    off) and a growth interval reached: parameters and scale equal eager's on the CPU, with no
+    CPU fallback (the only host read is GradScaler's own found_inf.item())."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = copy.deepcopy(ref).to(DEV)
+    scalers = {"cpu": torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2),
+               "xshard": torch.amp.GradScaler("xshard", init_scale=2.0 ** 10, growth_interval=2)}
+    opts = {"cpu": torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+            "xshard": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+    batches = [(torch.randn(4, 6), torch.randn(4, 3)) for _ in range(6)]
+    scales = []
+    for i, (x, y) in enumerate(batches):
+        blow_up = 1e38 if i == 2 else 1.0  # gradients overflow float32 once scaled
+        for kind, m in (("cpu", ref), ("xshard", model)):
+            dev = "cpu" if kind == "cpu" else DEV
+            with counting() as delta:
+                loss = F.mse_loss(m(x.to(dev)), y.to(dev)) * blow_up
+                scalers[kind].scale(loss).backward()
+                scalers[kind].step(opts[kind])
+                scalers[kind].update()
+                opts[kind].zero_grad()
+            assert delta["cpu_fallbacks"] == {}
+        assert scalers["xshard"].get_scale() == scalers["cpu"].get_scale(), i
+        scales.append(scalers["cpu"].get_scale())
+    # grown after two good steps, backed off at the overflow, grown again two steps later
+    assert scales == [2.0 ** 10, 2.0 ** 11, 2.0 ** 10, 2.0 ** 10, 2.0 ** 11, 2.0 ** 11]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)

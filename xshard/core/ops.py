@@ -132,6 +132,56 @@ def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
 _GROUP_NORM = decomposition_table[aten.native_group_norm.default]
 
 
+def _one_float_element(t, name: str, dtype=torch.float32) -> None:
+    torch._check(t.numel() == 1, lambda: f"{name} must be a 1-element tensor.")
+    torch._check(t.dtype == dtype, lambda: (
+        f"{name} must be {'a float' if dtype == torch.float32 else 'an int'} tensor."))
+
+
+def _amp_unscale(grads, found_inf, inv_scale):
+    """GradScaler's unscale (the functional form of ``_amp_foreach_non_finite_check_and_unscale_``,
+    which PyTorch gives no decomposition): each gradient times ``inv_scale``, computed in float32
+    for 16-bit gradients as ATen's kernel does, and ``found_inf`` set to 1 when any gradient holds
+    an inf or a NaN (else kept). On the device, it needs no read of the gradients to the host."""
+    _one_float_element(inv_scale, "inv_scale")
+    _one_float_element(found_inf, "found_inf")
+    if not grads:
+        return [], found_inf.clone()
+    scale = inv_scale.reshape(())
+    out, finite = [], []
+    for g in grads:
+        if g.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            raise NotImplementedError(  # as eager
+                f"\"_amp_foreach_non_finite_check_and_unscale_\" not implemented for a gradient "
+                f"of dtype {g.dtype}: gradients to unscale must be floating point")
+        wide = g.dtype in (torch.float16, torch.bfloat16)
+        out.append((g.float() * scale).to(g.dtype) if wide else g * scale.to(g.dtype))
+        finite.append(g.isfinite().all())
+    found = torch.stack(finite).all().logical_not()
+    return out, torch.where(found, 1.0, found_inf)
+
+
+def _amp_update_scale(scale, growth_tracker, found_inf, growth_factor: float,
+                      backoff_factor: float, growth_interval: int):
+    """GradScaler's scale update (the functional form of ``_amp_update_scale_``): after an
+    overflow (``found_inf`` nonzero) the scale times ``backoff_factor`` and the count of good steps
+    reset; after ``growth_interval`` good steps in a row the scale times ``growth_factor`` (kept if
+    that overflows) and the count reset; else the count plus one. The products are rounded from
+    float64 to float32, as ATen's CPU kernel (float times double) does."""
+    _one_float_element(growth_tracker, "growth_tracker", torch.int32)
+    _one_float_element(scale, "current_scale")
+    _one_float_element(found_inf, "found_inf")
+    found = found_inf.reshape(()) != 0
+    successful = growth_tracker + 1
+    grow = (successful == growth_interval).reshape(())
+    grown = (scale.double() * growth_factor).float()
+    backed_off = (scale.double() * backoff_factor).float()
+    new_scale = torch.where(found, backed_off,
+                            torch.where(grow & grown.isfinite(), grown, scale))
+    new_tracker = torch.where(found | grow, torch.zeros_like(successful), successful)
+    return new_scale, new_tracker
+
+
 def _class_target(op: str, position: int, byte: bool):
     """Checks the class target of ``op`` (argument ``position``) as eager CPU does: int64, or
     uint8 where ``byte`` (nll_loss of 1-D and 2-D input). Returns the arguments with a uint8
@@ -201,6 +251,9 @@ DECOMPOSITIONS = {
     # in between; the decomposition weighs in float32 and rounds once, half to even. The results
     # differ by 1 at many pixels (6.5 gives 6, eager 7).
     aten.upsample_bilinear2d.default: _floating_only(aten.upsample_bilinear2d.default),
+    # GradScaler's two ops, which PyTorch does not decompose (they ran on the CPU fallback).
+    aten._amp_foreach_non_finite_check_and_unscale.default: _amp_unscale,
+    aten._amp_update_scale.default: _amp_update_scale,
 }
 
 

@@ -297,7 +297,8 @@ def mutate(func, f, args, kwargs):
             # "functional" form writes its noise itself, returns one tensor)
             for name, new in zip(f.written, result):
                 _write_results(bound[name], new)
-            return None
+            # ``_amp_update_scale_`` returns its first argument; ``_fused_adam_`` returns nothing
+            return bound[f.written[0]] if func._schema.returns else None
         return _write_results(args[0], result)
     # A functional twin returns the op's own outputs followed by the new value of each written arg.
     result = functional(**bound)
