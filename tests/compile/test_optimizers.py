@@ -28,17 +28,27 @@ MORE = {
     "rprop": lambda p, fe: torch.optim.Rprop(p, lr=0.01, foreach=fe),
     "amsgrad": lambda p, fe: torch.optim.Adam(p, lr=0.01, amsgrad=True, foreach=fe),
 }
+# ``fused=True``: one op per step over every list (see [Note: fused optimizers] in
+# xshard/core/decompositions.py); its step counts live on the device, Adagrad's too.
+FUSED = {
+    "fused_sgd": lambda p, fe: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
+                                               fused=True),
+    "fused_adam_amsgrad": lambda p, fe: torch.optim.Adam(p, lr=1e-2, amsgrad=True, fused=True),
+    "fused_adamw": lambda p, fe: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "fused_adagrad": lambda p, fe: torch.optim.Adagrad(p, lr=0.1, fused=True),
+}
 # Recordings over the 10 steps: the first step creates the state, the second is the steady step.
 # ASGD's step count and mu are equal after one step and read as one input, until they differ.
 # The for-loop forms of RMSprop and Adadelta read the rate as a Python number: one recording per
 # rate, and the scheduler changes it every step.
-RECORDINGS = {"asgd": 3}
+# Adagrad creates its state with the optimizer: one recording.
+RECORDINGS = {"asgd": 3, "fused_adagrad": 1}
 READS_RATE = {("rmsprop", False), ("adadelta", False)}
 TOL = dict(rtol=1e-4, atol=2e-5)  # capturable forms compute bias corrections in float32
 
 
 def _check(opt_name, foreach):
-    OPTIMIZERS.update(MORE)
+    OPTIMIZERS.update(MORE, **FUSED)
     (m1, o1), (m2, o2) = twins("mlp", opt_name, foreach)
     data = make_batches("mlp")
     lazy = train_lazy(m1, o1, data, scheduler(o1))
@@ -58,6 +68,11 @@ def _check(opt_name, foreach):
 
 @pytest.mark.parametrize("opt_name", list(MORE))
 def test_optimizer(opt_name):
+    _check(opt_name, None)
+
+
+@pytest.mark.parametrize("opt_name", list(FUSED))
+def test_fused_optimizer(opt_name):
     _check(opt_name, None)
 
 

@@ -16,8 +16,8 @@ ROOT = pathlib.Path(xshard.__file__).parent
 # Core modules from the bottom up (xshard/core/__init__.py): each imports only modules before it.
 CORE_ORDER = ["runtime", "distributed", "dtypes", "metrics", "trace", "ir", "padding", "cells",
               "lowering", "graph", "divergence", "arrays", "placement", "compiler", "capture",
-              "execute", "rng", "backend", "ops", "record", "transfer", "fallback", "tensor",
-              "device", "barrier", "attention", "rnn", "autocast", "debug", "api"]
+              "execute", "rng", "backend", "decompositions", "ops", "record", "transfer", "fallback",
+              "tensor", "device", "barrier", "attention", "rnn", "autocast", "debug", "api"]
 # Packages from the bottom up: each imports only packages before it.
 PACKAGE_ORDER = ["core", "mesh", "spmd", "fsdp", "checkpoint"]
 

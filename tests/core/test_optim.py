@@ -1,5 +1,6 @@
-"""torch.optim unchanged on xshard: SGD (momentum), Adam, AdamW in foreach and for-loop form, equal to
-eager over several steps; state_dict/load_state_dict of models and optimizers."""
+"""torch.optim unchanged on xshard: SGD (momentum), Adam, AdamW in foreach and for-loop form, and the
+fused optimizers, equal to eager over several steps; state_dict/load_state_dict of models and
+optimizers."""
 
 import copy
 import io
@@ -76,25 +77,99 @@ def test_optimizer_matches_eager(name, foreach):
                 assert_same(st[k], ref_st[k], **TOL)
 
 
-@pytest.mark.filterwarnings("ignore:xshard has no lowering")
-@pytest.mark.parametrize("name", ["Adam", "AdamW"])
-@pytest.mark.parametrize("amsgrad", [False, True])
-def test_fused_optimizers_match_eager(name, amsgrad):
-    """``fused=True`` runs ATen's fused kernel through the CPU fallback: each list it updates
-    (parameters, gradients, moments) is written back (it raised an AttributeError)."""
-    def make(params):
-        return getattr(torch.optim, name)(params, lr=1e-2, amsgrad=amsgrad, weight_decay=0.1,
-                                          fused=True)
+FUSED = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, fused=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1,
+                                              weight_decay=1e-2, fused=True),
+    "sgd_nesterov_maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
+                                                       maximize=True, fused=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adam_amsgrad_decay": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=0.1,
+                                                     fused=True),
+    "adam_tensor_lr_maximize": lambda p: torch.optim.Adam(p, lr=torch.tensor(1e-2),
+                                                          maximize=True, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, fused=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, weight_decay=0.1,
+                                             fused=True),
+}
 
-    data = batches(3)
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_optimizers_match_eager(name):
+    """``fused=True`` steps run on the device (xshard.core.decompositions; they ran ATen's
+    kernel on the CPU fallback, reading every parameter, gradient and moment to the host):
+    losses, parameters and state equal eager's fused CPU kernels."""
+    data = batches(4)
     ref = make_model()
-    ref_opt = make(ref.parameters())
+    ref_opt = FUSED[name](ref.parameters())
     ref_losses = train(ref, ref_opt, data, "cpu")
     model = make_model().to(DEV)
-    opt = make(model.parameters())
-    assert_same(train(model, opt, data, DEV, sync=True), ref_losses, **TOL)
+    opt = FUSED[name](model.parameters())
+    with counting() as d:
+        losses = train(model, opt, data, DEV, sync=True)
+    assert d["cpu_fallbacks"] == {}
+    assert d["compiles"] <= 2
+    assert_same(losses, ref_losses, **TOL)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_same(p, q, **TOL)
+    for st, ref_st in zip(opt.state.values(), ref_opt.state.values()):
+        assert st.keys() == ref_st.keys()
+        for k in ref_st:
+            assert_same(st[k], ref_st[k], **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_adam_of_16_bit_parameters(dtype):
+    """16-bit parameters and moments are updated in float32 and rounded once, as ATen's kernel."""
+    data = batches(3)
+    ref = make_model().to(dtype)
+    model = copy.deepcopy(ref).to(DEV)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+            for m in (ref, model)]
+    for (x, y) in data:
+        for m, opt, dev in ((ref, opts[0], "cpu"), (model, opts[1], DEV)):
+            F.cross_entropy(m(x.to(dev).to(dtype)).float(), y.to(dev)).backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == dtype
+        assert_same(p, q, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adamw", "adagrad"])
+def test_fused_optimizers_with_a_grad_scaler(name):
+    """GradScaler hands a fused optimizer its scale and found_inf (no host read): the step whose
+    gradients overflow leaves parameters and state as they were, and the others unscale the
+    gradients in place; equal to eager's CPU kernels, no CPU fallback."""
+    data = batches(5)
+    ref = make_model()
+    model = make_model().to(DEV)
+    runs = []
+    for m, dev in ((ref, "cpu"), (model, DEV)):
+        opt = FUSED[name](m.parameters())
+        scaler = torch.amp.GradScaler(dev if dev == "cpu" else "xshard", init_scale=2.0 ** 8,
+                                      growth_interval=2)
+        scales, grads = [], []
+        with counting() as d:
+            for i, (x, y) in enumerate(data):
+                loss = F.cross_entropy(m(x.to(dev)), y.to(dev)) * (1e38 if i == 2 else 1.0)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                grads.append([p.grad.detach().clone() for p in m.parameters()])
+                opt.zero_grad()
+                scales.append(scaler.get_scale())
+        runs.append((opt, scales, grads, d))
+    (ref_opt, ref_scales, ref_grads, _), (opt, scales, grads, d) = runs
+    assert d["cpu_fallbacks"] == {}
+    assert scales == ref_scales and scales[2] < scales[1]
+    assert_same(grads, ref_grads, **TOL)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same(p, q, **TOL)
+    for st, ref_st in zip(opt.state.values(), ref_opt.state.values()):
+        for k in ref_st:
+            assert_same(st[k], ref_st[k], **TOL)
 
 
 def test_steady_state_training_compiles_nothing():

@@ -13,7 +13,9 @@ dtypes              ``dtypes`` (PyTorch <-> numpy/JAX, host conversion without l
 the IR              ``ir`` (the node type, and every op a node can hold), ``padding`` (values
                     padded to an uneven sharding's layout, and cropped back: host, device, IR)
 tensors             ``tensor`` (``XTensor`` and the dispatcher), ``cells`` (storage, views, pending)
-per-op facts        ``ops`` (what the recorder knows of each aten overload, computed once)
+per-op facts        ``decompositions`` (xshard's own, where PyTorch has none or another than its
+                    CPU kernel), ``ops`` (what the recorder knows of each aten overload, computed
+                    once)
 recording           ``record`` (arguments frozen into a template and an exact key; meta kernels;
                     nodes; in-place writes; view steps; factories), ``rng`` (the random stream)
 transfers           ``transfer`` (host <-> device copies, reads)
@@ -38,9 +40,9 @@ executable names, the XSHARD_DEBUG report: hooks that recording, compilation and
 Imports point one way: a module imports only modules of a lower rank in this order (checked by
 tests/core/test_layout.py), so a module can be read knowing only those below it:
 runtime, distributed, dtypes, metrics, trace, ir, padding, cells, lowering, graph, divergence, arrays,
-placement, compiler, capture, execute, rng, backend, ops, record, transfer, fallback, tensor, device,
-barrier, attention, rnn, autocast, debug, api. Recording comes after execution in this order because reading
-a value (``t.item()``) runs pending work.
+placement, compiler, capture, execute, rng, backend, decompositions, ops, record, transfer, fallback,
+tensor, device, barrier, attention, rnn, autocast, debug, api. Recording comes after execution in
+this order because reading a value (``t.item()``) runs pending work.
 """
 
 from xshard.core import runtime  # noqa: F401  (configures JAX before anything imports it)
