@@ -958,6 +958,34 @@ def test_attention_of_fewer_dims_and_a_one_dim_mask():
         torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_math_path_with_a_boolean_mask():
+    """Where attention keeps PyTorch's math path (grouped-query attention, dropout) a boolean
+    mask was added to the scores as 1.0 / 0.0, so every position attended everywhere (a causal
+    Llama with attention dropout saw the future and the padding, silently). As PyTorch, it becomes
+    0 / -inf first; a row with nothing to attend to gives zeros. Gradients too."""
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask[2] = False  # a row that attends to nothing
+    tiny = 1e-9  # dropout on (the math path), no element dropped in practice
+
+    def program(q, k, v, mask):
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                F.scaled_dot_product_attention(q[:, :2], k, v, attn_mask=mask, dropout_p=tiny),
+                F.scaled_dot_product_attention(q.double(), k.repeat(1, 2, 1, 1).double(),
+                                               v.repeat(1, 2, 1, 1).double(), attn_mask=mask,
+                                               dropout_p=tiny)]
+
+    check_eager(program, q, k, v, mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sum(o.square().sum() for o in program(*leaves, mask)).backward()
+    dev = [t.to(xshard.device()).requires_grad_() for t in (q, k, v)]
+    sum(o.square().sum() for o in program(*dev, mask.to(xshard.device()))).backward()
+    for a, b in zip(leaves, dev):
+        torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 3.0, float("inf")])
 def test_cdist_and_pdist_of_nan_as_in_pytorch(p):
     """ATen's CPU cdist passes over a NaN difference for p=inf (a max from 0) and keeps it for

@@ -54,6 +54,12 @@ class _FusedAttention(torch.autograd.Function):
 def _sdpa_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False):
     if not _fusable(query, key, value, attn_mask, dropout_p, enable_gqa):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            # As PyTorch's own scaled_dot_product_attention does before its kernels: the math
+            # kernel adds its mask to the scores, so a boolean one becomes 0 / -inf (added as
+            # 1.0 / 0.0 it let every position attend everywhere, silently).
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
+                attn_mask.logical_not(), float("-inf"))
         return aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
             enable_gqa=enable_gqa)[0]
