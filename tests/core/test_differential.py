@@ -917,6 +917,23 @@ def test_16_bit_activations_with_python_number_settings_compute_in_float32(dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_intermediates_are_rounded_as_in_eager(dtype):
+    """A 16-bit matrix product followed by another op in the same program: XLA skipped the
+    product's rounding to bfloat16 (its excess precision), so ``(a @ b) + c`` differed from eager
+    in 109 of 384 elements and Muon's Newton-Schulz update by 6%. With the rounding kept (see
+    [Note: no excess precision] in xshard/core/compiler.py) they equal eager bit for bit."""
+    torch.manual_seed(0)
+    a, b, c = torch.randn(16, 32).to(dtype), torch.randn(32, 24).to(dtype), torch.randn(24).to(dtype)
+
+    def program(a, b, c):
+        h = a @ b
+        return [h * 3.3, h + c, torch.tanh(h), torch.relu(h).sum(0), (h * 2) @ b.T,
+                torch.exp(a) * a, (a * a).mean(-1)]
+
+    check_eager(program, a, b, c, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_attention_keeps_scores_in_float32(dtype):
     """Fused attention rounded the scores to bfloat16 before the softmax: 47% of a (2, 4, 8, 64)
     attention's outputs differed from eager's. As ATen's CPU kernel for 4-D inputs, the scores stay
