@@ -117,6 +117,46 @@ def test_wrapping_twice():
         FSDP(model)
 
 
+def test_deepcopy_is_a_model_of_its_own():
+    """copy.deepcopy of an FSDP model (AveragedModel's EMA copy) raised (FSDP.__new__ wanted a
+    module): the copy keeps the shardings and units, its units gather its own parameters, and
+    it trains apart from the original, both as eager does."""
+    import copy
+    import functools
+
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from xshard.fsdp import size_based_auto_wrap_policy
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=functools.partial(
+        size_based_auto_wrap_policy, min_num_params=10))
+    twin = copy.deepcopy(model)
+    assert type(twin) is type(model) and len(twin.fsdp_units) == 3
+    assert twin.fsdp_units[0] is twin[0] and twin._fsdp_units[0].root is twin
+    assert xs.get_sharding_spec(twin[0].weight) == xs.get_sharding_spec(model[0].weight)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    ref_ema = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    ref_twin = copy.deepcopy(ref)
+    x = torch.randn(8, 8)
+    for m, lr, dev in ((ref, 0.1, "cpu"), (ref_twin, 0.3, "cpu"), (model, 0.1, xshard.device()),
+                       (twin, 0.3, xshard.device())):
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        for _ in range(2):
+            m(x.to(dev)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    ema.update_parameters(model)
+    ref_ema.update_parameters(ref)
+    for a, b, e, f in zip(ref.parameters(), model.parameters(), ref_ema.parameters(),
+                          ema.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(f.detach().cpu(), e.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(ref_twin.parameters(), twin.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_not_a_module():
     with pytest.raises(TypeError, match="wraps an nn.Module"):
         FSDP(torch.zeros(3))

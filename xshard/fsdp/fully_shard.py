@@ -105,7 +105,11 @@ class FSDP:
         ...                                                  transformer_layer_cls={Block}))
     """
 
-    def __new__(cls, module: nn.Module, *args, **kwargs):
+    def __new__(cls, module: nn.Module | None = None, *args, **kwargs):
+        if module is None and not args and not kwargs and cls is not FSDP:
+            # copy.deepcopy / copy.copy of a wrapped module (AveragedModel's EMA copy): its class
+            # makes an empty instance, then takes the copied state (units, hooks, shardings).
+            return super().__new__(cls)
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}.")
         if isinstance(module, FSDP):
