@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import xshard
+from xshard.core import api
 from compile_testing import DEV, MLP, assert_same_run, make_batches, train_update
 
 
@@ -339,6 +340,45 @@ def test_checkpoint_saved_and_loaded_between_calls(wrap, tmp_path):
 
     cpu, dev = run("cpu", False), run(DEV, True)
     assert_same_run(cpu, dev)
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "NAdam", "RMSprop"])
+def test_optimizer_state_dict_resumes_on_the_cpu_and_back(name, tmp_path):
+    """xshard.compile switches the optimizer to capturable (its step counts on the device); its
+    state_dict still says capturable=False with host step counts, as eager saves it: a CPU
+    optimizer refused the checkpoint ("If capturable=True, params and state_steps must be on
+    supported devices"). Resumed on the CPU, and loaded back into the compiled step (one more
+    recording), training goes on as eager's."""
+    def make(device):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        return model, getattr(torch.optim, name)(model.parameters(), lr=0.01)
+
+    data = make_batches("mlp", 6)
+    ref, ref_opt = make("cpu")
+    ref_losses = [train_update(ref, ref_opt, x, y).item() for x, y in data]
+
+    model, opt = make(DEV)
+    step = xshard.compile(lambda x, y: train_update(model, opt, x, y))
+    losses = [step(x.to(DEV), y.to(DEV)).item() for x, y in data[:3]]
+    assert api.is_device_tensor(next(iter(opt.state.values()))["step"])
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ckpt.pt")
+    assert api.is_device_tensor(next(iter(opt.state.values()))["step"])  # the live state stays
+    saved = torch.load(tmp_path / "ckpt.pt", map_location="cpu")
+    assert all(not g["capturable"] for g in saved["optim"]["param_groups"])
+    assert all(s["step"].device.type == "cpu" for s in saved["optim"]["state"].values())
+
+    cpu_model, cpu_opt = make("cpu")
+    cpu_model.load_state_dict(saved["model"])
+    cpu_opt.load_state_dict(copy.deepcopy(saved["optim"]))  # (it keeps CPU tensors as given)
+    cpu_losses = losses + [train_update(cpu_model, cpu_opt, x, y).item() for x, y in data[3:]]
+    torch.testing.assert_close(cpu_losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+    opt.load_state_dict(saved["optim"])
+    losses += [step(x.to(DEV), y.to(DEV)).item() for x, y in data[3:]]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_model_and_settings_bound_as_default_arguments():

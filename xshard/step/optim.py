@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import weakref
 
 import torch
 
@@ -35,7 +36,8 @@ from xshard.core import api, ir
 
 
 def make_capturable(optimizers) -> None:
-    """Turns on ``capturable`` where an optimizer has it and puts step counts on the device."""
+    """Turns on ``capturable`` where an optimizer has it and puts step counts on the device; its
+    ``state_dict()`` still says what the user chose (see ``_saved_as_chosen``)."""
     for opt in optimizers:
         if "capturable" not in opt.defaults:
             continue
@@ -43,12 +45,38 @@ def make_capturable(optimizers) -> None:
         for group in opt.param_groups:
             if group.get("capturable") is False:
                 group["capturable"] = True
+                if opt not in _SWITCHED:
+                    _SWITCHED[opt] = set()
+                    opt.register_state_dict_post_hook(_saved_as_chosen)
+                _SWITCHED[opt].add(id(group))
             for p in group["params"]:
                 state = opt.state.get(p)
                 step = None if state is None else state.get("step")
                 if isinstance(step, torch.Tensor) and not api.is_device_tensor(step) and \
                         api.is_device_tensor(p):
                     state["step"] = step.to(p.device)
+
+
+# Per optimizer, the param groups (by id) ``make_capturable`` switched to capturable.
+_SWITCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _saved_as_chosen(optimizer, state_dict):
+    """``Optimizer.state_dict`` post hook: the groups xshard.compile switched to capturable are
+    saved as the user made them, ``capturable=False`` with host step counts, as eager saves them
+    (a CPU optimizer refused the checkpoint: "If capturable=True, params and state_steps must be
+    on supported devices"). Loaded back into a compiled step's optimizer, they are switched again
+    at its next recording."""
+    switched = _SWITCHED.get(optimizer, ())
+    for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
+        if id(group) not in switched or group.get("fused"):
+            continue
+        saved["capturable"] = False
+        for index in saved["params"]:
+            entry = state_dict["state"].get(index, {})  # the optimizer's own dict: replaced
+            if api.is_device_tensor(entry.get("step")):
+                state_dict["state"][index] = {**entry, "step": entry["step"].detach().cpu()}
+    return state_dict
 
 
 class LiftedRate:
