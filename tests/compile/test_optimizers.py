@@ -214,3 +214,60 @@ def test_host_read_in_an_optimizer_step_names_the_optimizer_and_the_fix():
     with pytest.raises(Exception, match=r"RMSprop\.step, which reads a tensor as a Python number "
                                         r"in its for-loop form: pass foreach=True"):
         xshard.compile(train_step)(torch.ones(2, 3).to(DEV))
+
+
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_grad_scaler_with_a_fused_optimizer(name):
+    """The AMP recipe (scale, backward, GradScaler.step, update) with a fused optimizer compiles:
+    the scaler's scale and growth tracker are state (created at the first call), the overflow
+    flag never leaves the device, and a step whose gradients overflow is skipped and backs the
+    scale off, as in eager on the CPU; one recording per optimizer-state layout, no warning."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
+        opt = getattr(torch.optim, name)(model.parameters(), lr=0.05, fused=True)
+        scaler = torch.amp.GradScaler("cpu" if device == "cpu" else "xshard", init_scale=256.0,
+                                      growth_interval=2)
+
+        def train_step(x, y, blow_up):
+            loss = torch.nn.functional.mse_loss(model(x), y) * blow_up
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss
+
+        step = xshard.compile(train_step) if compiled else train_step
+        g = torch.Generator().manual_seed(1)
+        scales = []
+        for i in range(7):
+            x, y = torch.randn(3, 4, generator=g), torch.randn(3, 2, generator=g)
+            blow_up = torch.tensor(1e38 if i == 3 else 1.0)  # its scaled gradients overflow
+            step(x.to(device), y.to(device), blow_up.to(device))
+            scales.append(scaler.get_scale())
+        return scales, [p.detach().cpu() for p in model.parameters()], step
+
+    cpu = run("cpu", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dev = run(DEV, True)
+    assert dev[0] == cpu[0] and cpu[0][3] < cpu[0][2]
+    for a, b in zip(cpu[1], dev[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert dev[2].traces == (1 if name == "SGD" else 2), dev[2].retrace_reasons
+
+
+def test_grad_scaler_with_an_unfused_optimizer_names_the_fix():
+    model = nn.Linear(3, 2).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("xshard")
+
+    @xshard.compile
+    def train_step(x):
+        scaler.scale(model(x).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    with pytest.raises(Exception, match=r"GradScaler\.step asking whether the gradients "
+                                        r"overflowed.*pass fused=True"):
+        train_step(torch.ones(2, 3).to(DEV))

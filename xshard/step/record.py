@@ -40,6 +40,7 @@ position, so a compiled step and the lazy path draw the same masks, every call d
 from __future__ import annotations
 
 from collections import Counter
+import sys
 import warnings
 import weakref
 
@@ -86,7 +87,11 @@ class _Owner:
         hint = (" A Python number argument is a 0-d tensor inside the step: if the step uses it "
                 "as a number (range(n), if flag), make it static (static_argnums= or "
                 "static_argnames=)." if self.numbers else "")
-        if self.stepping:
+        if _in_grad_scaler_step():
+            hint += (" The read is GradScaler.step asking whether the gradients overflowed, "
+                     "which it leaves to the optimizer when the optimizer is fused: pass "
+                     "fused=True to the optimizer (SGD, Adam, AdamW, Adagrad).")
+        elif self.stepping:
             opt = self.stepping[0]
             hint += (f" The read is in {type(opt).__name__}.step, which reads a tensor as a "
                      f"Python number" +
@@ -112,6 +117,18 @@ class _Owner:
                 f"xshard.compile({self.compiled.name}): xshard.sync() inside a compiled step does "
                 f"nothing (the whole step is one graph); at {user_line()}.",
                 stacklevel=user_stacklevel())
+
+
+def _in_grad_scaler_step() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _GRAD_SCALER_STEP:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_GRAD_SCALER_STEP = torch.amp.GradScaler.step.__code__
 
 
 class Recording:

@@ -260,6 +260,7 @@ class Roots:
         elif depth == 0 and has_attributes(obj):
             # An object the step is a method of (a trainer): its attributes, one level down.
             self._seen.add(id(obj))
+            _initialize_scaler(obj)
             for name, item in list(vars(obj).items()):
                 if api.is_device_tensor(item):
                     self.entries.append((vars(obj), name, f"{type(obj).__name__}.{name}"))
@@ -285,6 +286,21 @@ class Roots:
             self.contents.append((Contents(container, key), None, f"{name} (contents)"))
 
 
+def _transient(obj) -> set:
+    """Attributes an object replaces on every step by design, which the guard does not compare:
+    GradScaler's per-step record of each optimizer's overflow flags (its ``update()`` starts a new
+    one; compared, a recording kept the last one's flags alive as values the step kept)."""
+    return {"_per_optimizer_states"} if isinstance(obj, torch.amp.GradScaler) else set()
+
+
+def _initialize_scaler(obj) -> None:
+    """A GradScaler for the xshard device creates its scale and growth tracker at its first
+    ``scale()``: created now, they are state a step updates, not values it keeps elsewhere."""
+    if isinstance(obj, torch.amp.GradScaler) and obj.is_enabled() and obj._scale is None and \
+            torch.device(obj._device).type == api.DEVICE_TYPE:
+        obj._lazy_init_scale_growth_tracker(torch.device(obj._device))
+
+
 def has_attributes(obj) -> bool:
     """Whether ``obj`` is an object with attributes of its own (not a class, module, function or
     tensor)."""
@@ -308,7 +324,7 @@ def find_roots(fn, extra=()) -> Roots:
                 obj, (nn.Module, torch.optim.Optimizer)):
             return
         d = vars(obj)
-        for name in sorted(_global_names(code) & d.keys()):
+        for name in sorted(_global_names(code) & d.keys() - _transient(obj)):
             if not api.is_device_tensor(d[name]):
                 roots.reach(d, name, d[name], f"{type(obj).__name__}.{name}")
 
