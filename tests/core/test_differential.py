@@ -975,6 +975,32 @@ def test_attention_of_fewer_dims_and_a_one_dim_mask():
         torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_float64_attention_gradients_are_float64_exact():
+    """The fused attention's backward took its probabilities from the float32 logsumexp the
+    forward saves: float64 gradients were 1e-6 off eager's. They are recomputed in float64."""
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(5, 5) > 0.4
+    mask[1] = False  # a row with nothing to attend to
+    bias = torch.randn(5, 5, dtype=torch.float64)
+
+    def program(q, k, v, mask, bias):
+        return [F.scaled_dot_product_attention(q, k, v),
+                F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=bias)]
+
+    grads = []
+    for device in ("cpu", xshard.device()):
+        leaves = [t.to(device).detach().requires_grad_() for t in (q, k, v, bias)]
+        outs = program(*leaves[:3], mask.to(device), leaves[3])
+        sum((o * (i + 1)).sin().sum() for i, o in enumerate(outs)).backward()
+        grads.append([t.grad.cpu() for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
 def test_attention_math_path_with_a_boolean_mask():
     """Where attention keeps PyTorch's math path (grouped-query attention, dropout) a boolean
     mask was added to the scores as 1.0 / 0.0, so every position attended everywhere (a causal

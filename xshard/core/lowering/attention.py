@@ -53,10 +53,7 @@ def _forward(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_deb
     # As ATen's CPU kernel: exp(s - max) in the inputs' dtype times v, summed in float32, then
     # divided by the sum of exp(s - max) and rounded once. Rows with every key masked give zeros
     # (and a logsumexp of -inf).
-    top = jnp.max(sf, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isneginf(top), jnp.zeros((), top.dtype), top)
-    weights = jnp.exp(sf - top)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
+    top, weights, total = _softmax_parts(sf)
     lse = (top + jnp.log(total))[..., 0]
     out = jnp.einsum("...qk,...kd->...qd", weights.astype(q.dtype), v, precision=_mm_precision(),
                      preferred_element_type=sf.dtype)
@@ -64,6 +61,14 @@ def _forward(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_deb
     zero = jnp.zeros((), np.int64)
     return (out, lse.reshape(_lse_shape(q)), None, None, q.shape[-2], k.shape[-2], zero, zero,
             None)
+
+
+def _softmax_parts(s):
+    """Each row's max (0 for a row with every key masked), exp(s - max) and its sum."""
+    top = jnp.max(s, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isneginf(top), jnp.zeros((), top.dtype), top)
+    weights = jnp.exp(s - top)
+    return top, weights, jnp.sum(weights, axis=-1, keepdims=True)
 
 
 def _lse_shape(q) -> tuple:
@@ -77,8 +82,13 @@ def _lse_shape(q) -> tuple:
 def _backward(grad, q, k, v, attn_bias, grad_input_mask, out, lse, cum_q, cum_k, max_q, max_k,
               dropout_p, is_causal, seed, offset, scale=None):
     s, scale = _scores(q, k, attn_bias, is_causal, scale)
-    sf = s.astype(lse.dtype)
-    p = _probs(sf, lse.reshape(q.shape[:-1]))
+    if s.dtype == np.float64:
+        # The saved logsumexp is float32 (the meta kernel's dtype), 1e-7 off for float64 scores:
+        # the probabilities are recomputed from the scores instead (eager's gradients to 1e-16).
+        top, weights, total = _softmax_parts(s)
+        p = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1), 0.0)
+    else:
+        p = _probs(s.astype(lse.dtype), lse.reshape(q.shape[:-1]))
     g = grad.astype(p.dtype)
     prec = _mm_precision()
     dv = jnp.einsum("...qk,...qd->...kd", p, g, precision=prec)
