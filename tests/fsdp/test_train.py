@@ -179,3 +179,53 @@ def test_parameter_data_replaced_after_wrapping_is_sharded_again():
     model.blocks[0].mlp.fc.weight.data = new.to(xshard.device())
     _assert_trains_as_on_cpu(model, reference, batches(2, seed=5))
     assert xs.get_sharding_spec(model.blocks[0].mlp.fc.weight) == spec
+
+
+class _CacheBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, h, cache, pos: int):
+        cache[:, pos] = h.mean(-1)  # fills its slot of a buffer the caller owns
+        return h + self.fc(h)
+
+
+class _CacheNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_CacheBlock() for _ in range(2))
+
+    def forward(self, x, cache, seen):
+        seen.add_(1)  # the root's own forward writes an input too
+        for i, b in enumerate(self.blocks):
+            x = b(x, cache, i)
+        return x
+
+
+@pytest.mark.parametrize("barriers", [True, False])
+def test_inputs_written_in_place_reach_the_caller(barriers):
+    """A unit writing into a tensor its caller passed (a KV-cache slot) wrote into FSDP's fenced
+    copy, and the root's sharded copy of its inputs took the root's writes: under no_grad the
+    caller's tensors kept their old values, silently. They now get the writes, as in eager."""
+    import copy
+    import functools
+
+    from xshard.fsdp import transformer_auto_wrap_policy
+
+    torch.manual_seed(0)
+    ref = _CacheNet()
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={_CacheBlock}),
+        optimization_barrier_in_forward=barriers, optimization_barrier_in_backward=barriers)
+    x = torch.randn(8, 16)
+    cache, seen = torch.zeros(8, 2), torch.zeros(8, 3)
+    with torch.no_grad():
+        out = ref(x, cache, seen)
+    dev = xshard.device()
+    dcache, dseen = torch.zeros(8, 2, device=dev), torch.zeros(8, 3, device=dev)
+    with torch.no_grad():
+        dout = model(x.to(dev), dcache, dseen)
+    torch.testing.assert_close(dout.cpu(), out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dcache.cpu(), cache, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dseen.cpu(), seen)

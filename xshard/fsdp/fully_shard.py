@@ -156,6 +156,8 @@ class FSDP:
         self._fsdp_batch = None  # (backward pass, BatchDims)
         self._fsdp_rows_shardings: dict = {}
         self._fsdp_order_by_data = False
+        # (caller's tensor, the copy the forward gets, its write count): see _write_back_inputs
+        self._fsdp_replaced_inputs: list = []
         _agree_initial_values(self, sync_module_states)
         self._fsdp_on_dim_0 = shard_param_on_dim_0
         # The dtypes buffers had before MixedPrecision.buffer_dtype cast them, by name: a full
@@ -459,28 +461,28 @@ class _Unit:
         if not self.params:
             return None
         self.state = TrainingState.FORWARD
-        args, kwargs = self.gather(args, kwargs)
+        self.gather(args, kwargs)
         self.gathered_cells = {core.storage(m._parameters[name]): i for m, name, i in self.slots}
         self.backward_gathered = None
         if self.root._fsdp_reshard and torch.is_grad_enabled():
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self._hooks.__enter__()
-        return args, kwargs
+        return None
 
-    def gather(self, args, kwargs):
-        """Puts the gathered parameters in the unit's modules; returns the fenced (args, kwargs)."""
-        inputs, rebuild = _tensors_of((args, kwargs))
-        outs = _GatherForward.apply(self, len(self.params), *self.params, *inputs)
-        gathered, inputs = outs[:len(self.params)], outs[len(self.params):]
+    def gather(self, args, kwargs) -> None:
+        """Puts the gathered parameters in the unit's modules, gathered once the unit's input
+        tensors exist. The inputs stay the caller's tensors (a unit may write into one in place,
+        a KV-cache slot: the write was made into a fenced copy, lost under no_grad)."""
+        inputs, _ = _tensors_of((args, kwargs))
+        gathered = _GatherForward.apply(self, inputs, *self.params)
         for m, name, i in self.slots:
             m._parameters[name] = gathered[i]
-        return rebuild(inputs)
 
     def recompute(self, forward, args, kwargs):
         """``forward`` run again by activation checkpointing in backward: the parameters are
         gathered afresh (after the recomputation's inputs, so they are alive for this unit's
         backward only) and its gradients take the unit's path (reduced, or kept under no_sync)."""
-        args, kwargs = self.gather(args, kwargs)
+        self.gather(args, kwargs)
         try:
             return forward(*args, **kwargs)
         finally:
@@ -571,16 +573,18 @@ def _gathered_tensor(sharded: XTensor, replicated: sh.Annotation, mp) -> XTensor
 
 
 class _GatherForward(torch.autograd.Function):
-    """Barrier(params, inputs) -> all-gather each param; backward reduce-scatters the gradients."""
+    """Barrier(params, inputs) -> all-gather each param; backward reduce-scatters the gradients.
+    The inputs (a list, not autograd inputs) only order the gathers after them."""
 
     @staticmethod
-    def forward(ctx, unit: _Unit, n_params: int, *tensors):
+    def forward(ctx, unit: _Unit, inputs: list, *params):
+        n_params = len(params)
         ctx.unit = unit
         ctx.set_materialize_grads(False)  # unused parameters keep grad None, as in eager
         ctx.n_params = n_params
-        ctx.param_dtypes = [p.dtype for p in tensors[:n_params]]
-        frozen = [not p.requires_grad for p in tensors[:n_params]]
-        tensors = [t.detach() for t in tensors]
+        ctx.param_dtypes = [p.dtype for p in params]
+        frozen = [not p.requires_grad for p in params]
+        tensors = [t.detach() for t in (*params, *inputs)]
         fenced = unit.fence(tensors[:n_params], tensors[n_params:], "forward") if all(
             isinstance(t, XTensor) for t in tensors) else tensors
         gathered = [_gathered_tensor(fenced[i], unit.replicated[i], unit.root._fsdp_mp)
@@ -589,7 +593,7 @@ class _GatherForward(torch.autograd.Function):
         # for it, and a checkpointed module's recomputation, which reads the parameter itself,
         # saves the same tensors as its forward did.
         ctx.mark_non_differentiable(*(g for g, f in zip(gathered, frozen) if f))
-        return tuple(gathered) + tuple(fenced[n_params:])
+        return tuple(gathered)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -626,7 +630,7 @@ class _GatherForward(torch.autograd.Function):
             root._fsdp_grads_queued = _backward_id()
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(_annotate_grads, root))
-        return (None, None, *out, *grads[ctx.n_params:])
+        return (None, None, *out)
 
 
 def _shard_dim(root, param) -> int | None:
@@ -858,18 +862,34 @@ def _root_pre_forward(root: FSDP, args, kwargs):
     inputs, rebuild = _tensors_of((args, kwargs))
     mp = root._fsdp_mp
     out = []
-    for t in inputs:
+    root._fsdp_replaced_inputs = []
+    for original in inputs:
+        t = original
         if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs and \
                 t.is_floating_point():
             t = t.to(mp.param_dtype)
         if root._fsdp_shard_input and t.dim() >= 1 and not core.is_view(t) and \
                 core.annotation(t) is None:
             t = spmd_api.ShardWithGradient.apply(t, _data_annotation(root, t))
+        if t is not original:
+            version = core.storage_version(core.storage(t))
+            root._fsdp_replaced_inputs.append((original, t, version))
         out.append(t)
     return rebuild(out)
 
 
+def _write_back_inputs(root: FSDP) -> None:
+    """An input the forward wrote into in place (a KV cache it fills) was the sharded (or cast)
+    copy the root hands its forward: the write is copied into the caller's tensor, as eager
+    makes it there (it was lost)."""
+    replaced, root._fsdp_replaced_inputs = root._fsdp_replaced_inputs, []
+    for original, given, version in replaced:
+        if core.storage_version(core.storage(given)) != version:
+            original.copy_(given)
+
+
 def _root_post_forward(root: FSDP, args, output):
+    _write_back_inputs(root)
     if root._fsdp_shard_output is not None:
         return root._fsdp_shard_output(output, root._fsdp_mesh)
     if isinstance(output, XTensor):
