@@ -1,5 +1,7 @@
 """FSDP training equals the unwrapped model on eager CPU; shardings of params, grads, optimizer state."""
 
+import functools
+
 import pytest
 import torch
 
@@ -229,3 +231,62 @@ def test_inputs_written_in_place_reach_the_caller(barriers):
     torch.testing.assert_close(dout.cpu(), out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dcache.cpu(), cache, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dseen.cpu(), seen)
+
+
+class _RopeBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def _forward(self, h, rope):
+        return h + torch.tanh(self.fc(h) * rope)
+
+    def forward(self, h, rope=None):
+        from torch.utils.checkpoint import checkpoint
+        if rope is None:
+            return checkpoint(lambda h: h + torch.tanh(self.fc(h)), h, use_reentrant=True)
+        return checkpoint(functools.partial(self._forward, rope=rope), h, use_reentrant=True)
+
+
+class _RopeNet(torch.nn.Module):
+    def __init__(self, rope: bool):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 16)
+        self.blocks = torch.nn.ModuleList(_RopeBlock() for _ in range(2))
+        self.head = torch.nn.Linear(16, 1)
+        self.register_buffer("freq", torch.linspace(0.5, 1.5, 16))
+        self.rope = rope
+
+    def forward(self, ids):
+        rope = torch.cos(self.freq * ids.shape[0]) if self.rope else None  # requires no grad
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h, rope=rope)  # a keyword argument, as Hugging Face passes cos/sin
+        return self.head(h).pow(2).mean()
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("frozen_embedding", [False, True])
+def test_unit_inputs_keep_their_requires_grad(frozen_embedding):
+    """FSDP handed each unit fenced copies of its inputs that all required grad: reentrant
+    checkpointing of a block taking a keyword tensor that requires no grad (Llama's rotary
+    cos/sin) raised "Trying to backward through the graph a second time", and with a frozen
+    embedding (nothing entering the blocks requires grad) the blocks got gradients eager does
+    not compute, and an optimizer moved them, silently."""
+    import copy
+
+    from xshard.fsdp import transformer_auto_wrap_policy
+
+    torch.manual_seed(0)
+    ref = _RopeNet(rope=not frozen_embedding)
+    ref.emb.weight.requires_grad_(not frozen_embedding)
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={_RopeBlock}))
+    ids = torch.randint(0, 10, (8, 5))
+    ref(ids).backward()
+    model(ids.to(xshard.device())).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-6)
