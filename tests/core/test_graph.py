@@ -72,6 +72,39 @@ def test_cache_keyed_by_structure_not_data():
     assert_same(other, (c.cpu() * 3).exp().sum(0))
 
 
+def test_cache_keeps_the_most_recently_used_programs(monkeypatch):
+    """At most XSHARD_CACHE_SIZE executables are kept, the least recently used dropped (each holds
+    memory mappings: unbounded, a process compiling tens of thousands of shapes ran out of them
+    and XLA's compiler failed)."""
+    from xshard.core import runtime
+
+    def run(n):
+        (torch.arange(float(n), device=DEV) * 2 + 1).sum().cpu()
+
+    monkeypatch.setenv("XSHARD_CACHE_SIZE", "3")
+    runtime.cache_limit.cache_clear()
+    try:
+        for n in (101, 102, 103):  # the cache is trimmed to these at the first compile
+            run(n)
+        assert compiler.cache_size() == 3
+        with counting() as d:
+            run(101)  # the least recently used: used now, so 102 goes next
+            run(104)
+            run(101)
+        assert (d["cache_hits"], d["compiles"], compiler.cache_size()) == (2, 1, 3)
+        with counting() as d:
+            run(102)
+        assert d["compiles"] == 1
+        monkeypatch.setenv("XSHARD_CACHE_SIZE", "many")
+        runtime.cache_limit.cache_clear()
+        with pytest.raises(runtime.RuntimeConfigError, match="XSHARD_CACHE_SIZE='many' must be"):
+            runtime.cache_limit()
+    finally:
+        monkeypatch.delenv("XSHARD_CACHE_SIZE")
+        runtime.cache_limit.cache_clear()
+    assert runtime.cache_limit() == runtime.DEFAULT_CACHE_SIZE
+
+
 def test_calls_differing_only_in_argument_structure_get_their_own_shapes():
     # Flattened, sum(x, [0, 1]) and sum(x, [0], True) have equal static arguments (True == 1).
     x = torch.randn(4, 5, 6)

@@ -289,7 +289,8 @@ def drain() -> None:
         _wait(_in_flight.popleft())
 
 
-_CACHE: dict = {}
+# Graph key -> Executable, least recently used first; at most runtime.cache_limit() entries.
+_CACHE: collections.OrderedDict = collections.OrderedDict()
 
 
 def executable(graph: Graph, donate: tuple = ()) -> Executable:
@@ -297,6 +298,7 @@ def executable(graph: Graph, donate: tuple = ()) -> Executable:
     whose buffers nothing else holds) applies to that compilation only."""
     exe = _CACHE.get(graph.key)
     if exe is not None:
+        _CACHE.move_to_end(graph.key)
         trace.cache_hit(graph, exe)
         return exe
     cause = _log_recompile(graph)
@@ -306,6 +308,9 @@ def executable(graph: Graph, donate: tuple = ()) -> Executable:
         compiled = compile_graph(graph, lowered)
     exe = _CACHE[graph.key] = Executable(compiled, tuple(donate), graph.describe(),
                                          divergence.lowered_digest(lowered), moves)
+    limit = runtime.cache_limit()
+    while limit is not None and len(_CACHE) > limit:
+        _CACHE.popitem(last=False)  # compiled again if it is needed again
     trace.compiled(graph, exe, cause)
     return exe
 

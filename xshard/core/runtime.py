@@ -19,6 +19,8 @@ backends (see [Note: when the environment is read]):
 - ``XSHARD_DEBUG``: ``1`` prints, for every graph xshard runs, whether it was compiled or came from the
   cache, what triggered it (the user's line) and, for a compile, why (what differs from the nearest
   cached graph); ``0`` or unset: off. See ``xshard.core.trace``.
+- ``XSHARD_CACHE_SIZE``: how many compiled programs the executable cache keeps, the least recently
+  used dropped beyond it (default 1024; ``0``: no limit). See ``cache_limit()``.
 
 JAX is configured with 64-bit types enabled, because PyTorch programs use int64 and float64 and their
 values must survive (int64 indices beyond 2**31, float64 accumulators). Every lowering rule states its
@@ -163,6 +165,21 @@ def distributed_settings() -> DistributedSettings:
         check=check,
         cluster=_cluster(),
     )
+
+
+DEFAULT_CACHE_SIZE = 1024
+
+
+@functools.cache
+def cache_limit() -> int | None:
+    """How many compiled programs xshard keeps (``XSHARD_CACHE_SIZE``, read once; None: no limit).
+    Each holds its machine code in memory mappings of its own: with no limit, a process compiling
+    tens of thousands of distinct graphs (a shape that changes every step) ran out of the kernel's
+    mappings and XLA's compiler failed ("Cannot allocate memory")."""
+    n = _env_int("XSHARD_CACHE_SIZE", 0)
+    if n is None:
+        return DEFAULT_CACHE_SIZE
+    return n or None
 
 
 @functools.cache
