@@ -1,5 +1,7 @@
 """User errors raise clear exceptions that name the problem and the fix."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -201,3 +203,23 @@ def test_make_fx_over_xshard_tensors_is_refused():
     with pytest.raises(TracingError, match="inside make_fx's proxy mode"):
         torch.func.linearize(lambda a: a * 3, x)
     assert torch.equal((x * 3).cpu(), x.cpu() * 3)  # the lazy path is untouched
+
+
+def test_nested_tensors_are_refused_naming_the_transformer_fix():
+    """nn.TransformerEncoder's inference fast path (eval, no_grad, a padding mask) makes a nested
+    tensor, which failed deep inside PyTorch ("NestedTensorImpl doesn't support sizes"); it is
+    refused naming the switch, with which the encoder equals eager's."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 3, 4)
+    pad = torch.tensor([[False, False, True], [False, False, False]])
+    dev = xshard.device()
+    fast = torch.nn.TransformerEncoder(copy.deepcopy(layer), 2).eval()
+    with torch.no_grad(), pytest.raises(NotImplementedError,
+                                        match="nested tensor.*enable_nested_tensor=False"):
+        copy.deepcopy(fast).to(dev)(x.to(dev), src_key_padding_mask=pad.to(dev))
+    plain = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    with torch.no_grad():
+        want = plain(x, src_key_padding_mask=pad)
+        got = copy.deepcopy(plain).to(dev)(x.to(dev), src_key_padding_mask=pad.to(dev))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)

@@ -63,6 +63,14 @@ def cpu_fallback(func, args, kwargs, new_tensor):
             return x
         if id(x) in moved:
             return moved[id(x)]
+        if x.is_nested:
+            raise NotImplementedError(
+                f"{func} returns a nested tensor, which the xshard device does not hold (XLA "
+                f"programs have fixed shapes). nn.TransformerEncoder makes one in eval mode under "
+                f"no_grad with a src_key_padding_mask (its inference fast path): build it with "
+                f"enable_nested_tensor=False, or call torch.backends.mha.set_fastpath_enabled("
+                f"False); padded positions then hold values instead of zeros, mask them if you "
+                f"read them.")
         # A dense result keeps its strides (``nonzero`` is column-major, as are many linalg
         # results): ``view``, ``as_strided`` and ``stride()`` then see what eager sees.
         stride = x.stride() if _dense(x.shape, x.stride()) else contiguous_strides(x.shape)
