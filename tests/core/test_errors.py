@@ -223,3 +223,21 @@ def test_nested_tensors_are_refused_naming_the_transformer_fix():
         want = plain(x, src_key_padding_mask=pad)
         got = copy.deepcopy(plain).to(dev)(x.to(dev), src_key_padding_mask=pad.to(dev))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.ConvTranspose1d(4, 5, 3), (1, 8, 3)),
+    (lambda: nn.ConvTranspose2d(4, 6, 3, groups=2), (1, 6, 3, 3)),
+    (lambda: nn.Conv1d(4, 5, 3), (1, 8, 3)),
+    (lambda: nn.Conv2d(4, 6, 3, groups=2), (1, 6, 5, 5)),
+])
+def test_convolution_with_the_wrong_channels_raises_at_the_call_as_eager(make, shape):
+    """A transposed convolution given the wrong number of channels was recorded and failed to
+    lower at the next sync (a JAX error); others said "Invalid channel dimensions". Both raise
+    eager's message at the call."""
+    m, x = make(), torch.randn(shape)
+    with pytest.raises(RuntimeError) as eager:
+        m(x)
+    with pytest.raises(RuntimeError) as ours:
+        m.to(DEV)(x.to(DEV))
+    assert str(ours.value) == str(eager.value)

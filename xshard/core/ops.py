@@ -93,7 +93,24 @@ _RANGE_CHECKED = {
 
 # Calls whose meta kernel takes other arguments than eager CPU: a function of the call's meta
 # arguments, raising where eager raises, returning those the meta kernel gives eager's result for.
+def _conv_channels(args: tuple, kwargs: dict):
+    """Eager's check that the input has the channels the weight expects. The meta kernel checks a
+    transposed convolution's only when lowered (XLA's error at the next sync, not at the call),
+    and others' with "Invalid channel dimensions"."""
+    bound = dict(zip(("input", "weight", "bias", "stride", "padding", "dilation", "transposed",
+                      "output_padding", "groups"), args), **kwargs)
+    x, w, transposed, groups = bound["input"], bound["weight"], bound["transposed"], bound["groups"]
+    if x.dim() >= 2 and w.dim() >= 2:
+        want = w.shape[0] if transposed else w.shape[1] * groups
+        given = "transposed=1" if transposed else f"groups={groups}"
+        torch._check(x.shape[1] == want, lambda: (
+            f"Given {given}, weight of size {list(w.shape)}, expected input{list(x.shape)} to "
+            f"have {want} channels, but got {x.shape[1]} channels instead"))
+    return args, kwargs
+
+
 META_ARGUMENTS = {
+    aten.convolution.default: _conv_channels,
     aten.nll_loss_forward.default: class_target("nll_loss", 1, byte=True),
     aten.nll_loss_backward.default: class_target("nll_loss", 2, byte=True),
 }
