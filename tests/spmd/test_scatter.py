@@ -103,11 +103,13 @@ def test_sharded_step_with_writes():
 
 
 def test_cpu_compiler_options():
-    """Every CPU program compiles without the scatter expander; a barrier's options add theirs."""
+    """Every CPU program compiles without the scatter expander (and, as on every backend, without
+    excess precision); a barrier's options add theirs."""
     if runtime.platform() != "cpu":
         pytest.skip("the option is for XLA's CPU backend")
     plain = SimpleNamespace(order=[SimpleNamespace(op=ir.DATA)])
-    assert compiler.compiler_options(plain) == {"xla_disable_hlo_passes": "scatter_expander"}
+    assert compiler.compiler_options(plain) == {"xla_disable_hlo_passes": "scatter_expander",
+                                                "xla_allow_excess_precision": False}
     fenced = SimpleNamespace(order=[SimpleNamespace(op=ir.DATA), SimpleNamespace(op=ir.BARRIER)])
     options = compiler.compiler_options(fenced)
     assert options["xla_disable_hlo_passes"] == "scatter_expander,cpu-all-reduce-combiner"
