@@ -43,9 +43,20 @@ def _round_once(fn):
     return lower
 
 
+# [Note: 16-bit products rounded once]
+# ATen's CPU kernels (and cuBLAS) sum a 16-bit float product in float32 and round it once. XLA
+# does too on one device, but when the contracted dim is sharded the SPMD partitioner sums each
+# device's partial product in the dot's dtype: rounded to bfloat16 on each device, then summed in
+# bfloat16 (a bfloat16 ``a @ a.T`` over an 8-way sharded inner dim differed from eager in 7 of 16
+# elements; torch.optim.Muon's Newton-Schulz update of an FSDP-sharded momentum by 4%). The
+# product is therefore kept in float32 and rounded after the sum: a sharded contraction then
+# all-reduces in float32 (twice the bytes of a bfloat16 one, as FSDP's ``reduce_dtype=float32``
+# already does), and an unsharded one is unchanged (XLA fuses the rounding into the dot).
 @rule(aten.mm, aten.bmm, aten.matmul, aten.dot, aten.mv, aten.vdot)
 def _mm(a, b):
-    return _matmul(a, b)
+    dtype = result_dtype(a, b)
+    out = _matmul(a, b, wide=True)
+    return out.astype(dtype) if out.dtype != dtype else out
 
 
 def _scale(x, factor):

@@ -31,11 +31,10 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
     stride, padding, dilation, output_padding = (
         tuple(v) * nd if len(v) == 1 else tuple(v)
         for v in (stride, padding, dilation, output_padding))
-    # A 16-bit float convolution with a bias is summed with it in float32 and rounded once, as
-    # ATen's CPU kernels do (rounding the convolution first differed in a quarter of the
-    # elements of a bfloat16 conv2d).
-    wide = {"preferred_element_type": np.float32} if (
-        bias is not None and x.dtype in HALF_FLOATS) else {}
+    # A 16-bit float convolution is summed (with its bias) in float32 and rounded once, as ATen's
+    # CPU kernels do (rounding the convolution first differed in a quarter of the elements of a
+    # bfloat16 conv2d; see [Note: 16-bit products rounded once] for a sharded contraction).
+    wide = {"preferred_element_type": np.float32} if x.dtype in HALF_FLOATS else {}
     if not transposed:
         out = lax.conv_general_dilated(
             x, w, window_strides=tuple(stride), padding=[(p, p) for p in padding],
