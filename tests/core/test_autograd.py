@@ -87,6 +87,35 @@ def test_no_grad_detach_requires_grad():
         assert not (x + 1).requires_grad
 
 
+def _inference_mode_views(dev):
+    """Views and in-place writes under torch.inference_mode of tensors made outside it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)).to(dev)
+    x = torch.randn(3, 4).to(dev)
+    t = torch.zeros(5, device=dev)
+    with torch.inference_mode():
+        w = model[0].weight
+        views = [w.t(), w[0], w.view(-1), w.detach(), w.unbind(0)[1]]
+        flags = [(v.is_inference(), v.requires_grad) for v in views]
+        state = model.state_dict()  # detaches each parameter
+        out = model(x)
+        part = t[1:]
+        part.add_(1)
+        t.add_(1)
+        fresh = torch.ones(2, device=dev)
+        flags.append((fresh.is_inference(), fresh[0].is_inference()))
+    return ([v.cpu() for v in views], flags, {k: v.cpu() for k, v in state.items()}, out.cpu(),
+            t.cpu(), (t._version, part._version, part.is_inference()), out.is_inference())
+
+
+def test_views_under_inference_mode():
+    """A view under torch.inference_mode of a tensor made outside it is a normal tensor sharing
+    its version counter, as in eager (xshard's raised "Cannot set version_counter for inference
+    tensor": model.state_dict(), w.t())."""
+    want, got = _inference_mode_views("cpu"), _inference_mode_views(DEV)
+    torch.testing.assert_close(got, want)
+
+
 def test_autograd_grad_and_retain_graph():
     x = torch.tensor([1.0, 2.0, 3.0]).to(DEV).requires_grad_()
     y = (x ** 3).sum()

@@ -373,13 +373,23 @@ def _make_view(base: XTensor, step, spec, relative: bool) -> XTensor:
     if relative:
         # The meta kernel saw the parent at offset 0; as_strided's offset is absolute already.
         offset += base.storage_offset()
-    return XTensor(base._cell, base._chain + (step,), shape, stride, dtype, storage_offset=offset)
+    return _view_tensor(base, base._chain + (step,), shape, stride, dtype, offset)
+
+
+def _view_tensor(base: XTensor, chain, shape, stride, dtype, offset) -> XTensor:
+    """A view of ``base``'s storage. Under torch.inference_mode a view of a normal tensor is a
+    normal tensor, as in eager: autograd then shares ``base``'s version counter with it, which it
+    cannot with an inference tensor ("Cannot set version_counter for inference tensor": ``w.t()``
+    or ``model.state_dict()`` of a device model raised)."""
+    if torch.is_inference_mode_enabled() and not base.is_inference():
+        with torch.inference_mode(False):
+            return XTensor(base._cell, chain, shape, stride, dtype, storage_offset=offset)
+    return XTensor(base._cell, chain, shape, stride, dtype, storage_offset=offset)
 
 
 def _alias(func, args, kwargs):
     t = args[0]
-    return XTensor(t._cell, t._chain, t.shape, t.stride(), t.dtype,
-                   storage_offset=t.storage_offset())
+    return _view_tensor(t, t._chain, t.shape, t.stride(), t.dtype, t.storage_offset())
 
 
 def _copy_(func, args, kwargs):
