@@ -72,6 +72,18 @@ def test_load_into_cpu_tensors_and_the_reverse(tmp_path):
     assert_same(target, VALUES)
 
 
+def test_cpu_tensors_of_dtypes_devices_lack(tmp_path):
+    """A CPU tensor of a dtype xshard devices do not hold loads as it saved (it was refused:
+    'not supported on xshard devices')."""
+    values = {"fnuz": torch.randn(4, 3).to(torch.float8_e4m3fnuz),
+              "complex32": torch.randn(5, dtype=torch.complex64).to(torch.complex32)}
+    xcp.save({"t": values}, tmp_path / "c")
+    target = {k: torch.zeros_like(v) for k, v in values.items()}
+    xcp.load({"t": target}, tmp_path / "c")
+    for key, value in values.items():
+        assert torch.equal(target[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
 def test_load_keeps_tensor_identity_and_storage(tmp_path):
     m = mesh((4, 2), ("data", "model"))
     w = on_device(torch.randn(8, 4), m, ("data", "model"))

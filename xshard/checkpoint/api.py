@@ -95,7 +95,8 @@ def save(state: dict, path, *, overwrite: bool = False) -> None:
         state: a dict, nested as you like, of tensors, Python values (a step count), state dicts
             (``model.state_dict()``, ``optimizer.state_dict()``), or the modules and optimizers
             themselves; a module (FSDP included) is saved as its sharded device tensors under the
-            plain model's names.
+            plain model's names; any other object with ``state_dict`` / ``load_state_dict``
+            (an LR scheduler, a GradScaler, a stateful data loader) as its ``state_dict()``.
         path: the checkpoint directory (a shared file system when several hosts save).
         overwrite: replace an existing checkpoint at ``path``; by default that is an error.
 
@@ -189,7 +190,8 @@ def load(state: dict, path) -> None:
             overwritten in place; an optimizer gets its state created if it has none
             (``prime_optimizer``), overwritten, and ``load_state_dict`` for its hyperparameters
             (a parameter the checkpoint holds no state for, one that had no gradient yet when it
-            was saved, is left without state, as ``load_state_dict`` leaves it).
+            was saved, is left without state, as ``load_state_dict`` leaves it); any other
+            object with ``state_dict`` / ``load_state_dict`` gets ``load_state_dict``.
         path: a checkpoint directory.
 
     Raises:
@@ -209,8 +211,7 @@ def load(state: dict, path) -> None:
     _check_complete(path)
     check_process_group()
     targets = states.to_state_dicts(state, prime=True)
-    states.drop_unsaved_state(state, targets,
-                              FileSystemReader(path).read_metadata().state_dict_metadata)
+    states.match_saved_state(state, targets, FileSystemReader(path).read_metadata())
     planner = LoadPlanner(defer_writes=True)
     with _dcp_errors(f"Loading {path}", "nothing was written into the state"):
         dcp.load(targets, storage_reader=FileSystemReader(path), planner=planner)

@@ -153,10 +153,11 @@ class _Target:
             array = api.array(t)
             self.sharding, self.padded = array.sharding, tuple(array.shape)
             self.blocks = list(layout.blocks_to_fill(self.sharding, self.padded, self.shape).values())
-        else:  # a CPU tensor: one block, the whole tensor
+            self.buffers = [layout.host_buffer(b.shape, t.dtype) for b in self.blocks]
+        else:  # a CPU tensor (of any dtype, those devices lack too): one block, the whole tensor
             self.sharding, self.padded = None, self.shape
             self.blocks = [layout.block(tuple((0, n) for n in self.shape), self.shape)]
-        self.buffers = [layout.host_buffer(b.shape, t.dtype) for b in self.blocks]
+            self.buffers = [(None, torch.zeros(self.shape, dtype=t.dtype))]
         self.remaining = 0
 
     def destination(self, read_item: ReadItem) -> torch.Tensor:

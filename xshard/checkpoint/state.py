@@ -1,4 +1,5 @@
-"""Modules and optimizers inside a checkpoint's state: their device state, read and written in place.
+"""Modules, optimizers and other stateful objects inside a checkpoint's state: their device state,
+read and written in place.
 
 ``xshard.checkpoint.save`` / ``load`` accept ``nn.Module`` and ``torch.optim.Optimizer`` objects
 anywhere in the nested state dict. A module contributes ``nn.Module.state_dict(module)``: its
@@ -7,13 +8,19 @@ model this skips ``FSDP.state_dict``, which gathers full CPU copies, so each pro
 its own shards. Loading writes into those same tensors, so the module needs no
 ``load_state_dict``. An optimizer contributes ``optimizer.state_dict()``; loading first creates
 its state if it has none yet (``prime_optimizer``), then hands the loaded dict to
-``optimizer.load_state_dict`` for the hyperparameters.
+``optimizer.load_state_dict`` for the hyperparameters. Any other object with ``state_dict`` and
+``load_state_dict`` (DCP's ``Stateful``: an LR scheduler, a GradScaler, a stateful data loader),
+at any depth, contributes its ``state_dict()`` and gets ``load_state_dict`` with what was loaded.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
 
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -50,7 +57,10 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             p.grad = torch.zeros_like(p)
         for group in optimizer.param_groups:
             group["lr"] = 0.0
-        optimizer.step()
+        if _needs_closure(optimizer):  # LBFGS: its step evaluates the loss
+            optimizer.step(lambda: torch.zeros(()))
+        else:
+            optimizer.step()
     finally:
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
@@ -59,8 +69,19 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _needs_closure(optimizer) -> bool:
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def to_state_dicts(state, *, prime: bool) -> dict:
-    """A copy of nested dict ``state`` with each module and optimizer replaced by its state dict."""
+    """A copy of nested dict ``state`` with each module, optimizer and other ``Stateful`` object
+    replaced by its state dict (DCP would convert top-level ones itself, but on load calls their
+    ``load_state_dict`` before a deferred load has written anything, and it pickles nested ones
+    whole)."""
     if not isinstance(state, dict):
         raise TypeError(
             f"A checkpoint's state must be a dict (e.g. {{'model': model, 'optim': opt, "
@@ -73,28 +94,76 @@ def to_state_dicts(state, *, prime: bool) -> dict:
             out[key] = (prime_optimizer(value) if prime else value).state_dict()
         elif isinstance(value, dict):
             out[key] = to_state_dicts(value, prime=prime)
+        elif _stateful(value):
+            out[key] = value.state_dict()
         else:
             out[key] = value
     return out
 
 
-def drop_unsaved_state(state: dict, targets: dict, saved_keys) -> None:
-    """Leaves out of ``targets`` (``to_state_dicts(state)``) the per-parameter optimizer state a
-    checkpoint does not hold (``saved_keys``: its flattened keys): a parameter that had no gradient
-    yet when it was saved. The load then leaves it without state, as ``opt.load_state_dict``
-    does, where priming had created some."""
-    saved = {key.rsplit(".", 1)[0] for key in saved_keys}  # "optim.state.2.step" -> "optim.state.2"
+def _stateful(value) -> bool:
+    return isinstance(value, Stateful) and not isinstance(value, (torch.Tensor, type))
 
-    def drop(state, targets, prefix):
+
+def match_saved_state(state: dict, targets: dict, metadata) -> None:
+    """Makes each optimizer's per-parameter state in ``targets`` (``to_state_dicts(state)``) hold
+    what the checkpoint (``metadata``, DCP's) holds for it:
+
+    - state a parameter has after priming but not in the checkpoint (it had no gradient yet when
+      saved) is left out, so the load leaves it without state, as ``opt.load_state_dict`` does;
+    - entries the checkpoint holds that priming does not create (LBFGS's search direction and
+      history, made by later steps) are added, as host tensors of the saved shape and dtype or
+      Python values, for ``optimizer.load_state_dict`` to place as it does a ``torch.load``-ed
+      state dict."""
+    saved = metadata.state_dict_metadata
+    paths = metadata.planner_data or {}
+    # Every prefix of a saved key: "optim.state.2.mom.buf" holds "optim.state.2" (a parameter's
+    # state may nest dicts and lists).
+    prefixes = {key[:i] for key in saved for i, c in enumerate(key) if c == "."}
+
+    def match(state, targets, prefix, path):
         for key, value in state.items():
             if isinstance(value, torch.optim.Optimizer):
                 per_param = targets[key]["state"]
-                for pid in [pid for pid in per_param if f"{prefix}{key}.state.{pid}" not in saved]:
+                for pid in [p for p in per_param if f"{prefix}{key}.state.{p}" not in prefixes]:
                     del per_param[pid]
+                under = (*path, str(key), "state")
+                for fqn in sorted(fqn for fqn, p in paths.items() if p[:len(under)] == under):
+                    _add_missing(targets[key]["state"], paths[fqn][len(under):], saved[fqn])
             elif isinstance(value, dict):
-                drop(value, targets[key], f"{prefix}{key}.")
+                match(value, targets[key], f"{prefix}{key}.", (*path, str(key)))
 
-    drop(state, targets, "")
+    match(state, targets, "", ())
+
+
+def _add_missing(container, path: tuple, md) -> None:
+    """Puts a placeholder for a saved entry (``md``) at ``path`` inside ``container`` unless
+    something is there already (dicts and lists on the way are created)."""
+    for i, step in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(container, dict):
+            key = next((k for k in container if str(k) == str(step)), None)
+            if key is None:  # DCP spells keys as strings; an optimizer's parameter ids are ints
+                key = int(step) if str(step).isdigit() and all(
+                    isinstance(k, int) for k in container) else step
+                container[key] = _placeholder(md) if last else \
+                    ([] if isinstance(path[i + 1], int) else {})
+            container = container[key]
+        elif isinstance(container, list) and isinstance(step, int):
+            while len(container) <= step:
+                container.append(None)
+            if container[step] is None:
+                container[step] = _placeholder(md) if last else \
+                    ([] if isinstance(path[i + 1], int) else {})
+            container = container[step]
+        else:
+            return  # the state holds a value where the checkpoint has a container: check_state says
+
+
+def _placeholder(md):
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    return None  # a Python value, read as it was saved
 
 
 def write_back(state: dict, loaded: dict) -> None:
@@ -111,5 +180,7 @@ def write_back(state: dict, loaded: dict) -> None:
             value.load_state_dict(new)
         elif isinstance(value, dict):
             write_back(value, new)
+        elif _stateful(value):
+            value.load_state_dict(new)
         else:
             state[key] = new
