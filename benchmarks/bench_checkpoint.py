@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     state_bytes += sum(t.numel() * t.element_size() for s in opt.state.values()
                        for t in s.values() if isinstance(t, torch.Tensor))
 
-    saves, loads, reshards, mine, total = [], [], [], 0, 0
+    saves, stagings, async_saves, loads, reshards, mine, total = [], [], [], [], [], 0, 0
     grid = xs.Mesh(np.arange(n), (max(n // 2, 1), 2 if n > 1 else 1), ("data", "model"))
     tensor_parallel = GPT(cfg).to(dev)
     xs.mark_sharding(tensor_parallel.wte.weight, grid, ("model", None))  # tied to lm_head
@@ -110,6 +110,11 @@ def main(argv=None) -> int:
         total = sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*")))
         total += os.path.getsize(os.path.join(path, ".metadata"))
         begin = time.perf_counter()
+        pending = xcp.async_save(state, path + "_async", overwrite=True)
+        stagings.append(time.perf_counter() - begin)  # when training may go on
+        pending.result()
+        async_saves.append(time.perf_counter() - begin)
+        begin = time.perf_counter()
         xcp.load(state, path)
         xshard.wait()
         loads.append(time.perf_counter() - begin)
@@ -126,11 +131,13 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} torch threads")
     print(f"  save:                     {fmt(saves)}; this process wrote "
           f"{mine / 2**20:.1f} MiB of {total / 2**20:.1f} MiB")
+    print(f"  async_save, until it returns: {fmt(stagings)}; until written: {fmt(async_saves)}")
     print(f"  load, same layout:        {fmt(loads)}")
     print(f"  load into 2-D (data, model) model only: {fmt(reshards)}")
     print(json.dumps({"rank": rank, "world": world, "devices": n, "state_bytes": state_bytes,
                       "torch_threads": torch.get_num_threads(),
                       "bytes_written": mine, "bytes_total": total, "save_s": saves,
+                      "async_save_return_s": stagings, "async_save_s": async_saves,
                       "load_s": loads, "load_2d_s": reshards}))
     if world > 1:  # everyone done with the files before process 0 removes them
         import torch.distributed as dist

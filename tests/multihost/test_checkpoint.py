@@ -54,7 +54,7 @@ def single(mode: str, directory: Path, devices: int = 8) -> dict:
 def saved_2x4(tmp_path_factory):
     """Saved on 2 x 4, then, by the same processes, loaded on another mesh and resumed."""
     directory = tmp_path_factory.mktemp("saved_2x4")
-    return directory, launch("save,load,resume", directory)
+    return directory, launch("save,load,resume,async", directory)
 
 
 def test_each_process_writes_its_own_blocks(saved_2x4):
@@ -76,6 +76,16 @@ def test_2x4_resume_equals_uninterrupted_run(saved_2x4):
     _, runs = saved_2x4
     assert [r["resume"]["step"] for r in runs] == [2, 2]
     assert [r["resume"]["losses"] for r in runs] == [r["save"]["continued"] for r in runs]
+
+
+def test_2x4_async_save_holds_the_state_at_the_call(saved_2x4):
+    """xcp.async_save on 2 processes while training goes on: the checkpoint holds the values at
+    the call, and resuming from it repeats the steps taken while it was written."""
+    directory, runs = saved_2x4
+    assert all(r["async"]["equal"] for r in runs)
+    assert [r["async"]["losses"] for r in runs] == [r["async"]["continued"] for r in runs]
+    assert sorted(os.listdir(directory / "async_ckpt")) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
 def test_2x4_to_1x8(saved_2x4):

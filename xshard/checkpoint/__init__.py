@@ -8,6 +8,7 @@ Public API:
 
 * ``save(state, path)`` / ``load(state, path)``: nested dicts of tensors, state dicts, modules
   (FSDP included), optimizers and Python values; atomic save, all-or-nothing load.
+* ``async_save(state, path)``: ``save`` that returns once the state is on the host.
 * ``SavePlanner()`` / ``LoadPlanner()``: the same, through ``dcp.save`` / ``dcp.load`` directly.
 * ``prime_optimizer(opt)``: gives an optimizer that has not stepped the state to load into.
 * ``CheckpointError``, ``CheckpointNotFoundError``.
@@ -21,10 +22,10 @@ Example:
 Module order: errors <- layout <- planner <- state <- api.
 """
 
-from xshard.checkpoint.api import load, save
+from xshard.checkpoint.api import async_save, load, save
 from xshard.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from xshard.checkpoint.planner import LoadPlanner, SavePlanner
 from xshard.checkpoint.state import prime_optimizer
 
-__all__ = ["save", "load", "SavePlanner", "LoadPlanner", "prime_optimizer", "CheckpointError",
+__all__ = ["save", "async_save", "load", "SavePlanner", "LoadPlanner", "prime_optimizer", "CheckpointError",
            "CheckpointNotFoundError"]

@@ -17,6 +17,7 @@ only once every read has succeeded.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -31,7 +32,7 @@ from xshard.checkpoint import state as states
 from xshard.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from xshard.checkpoint.planner import LoadPlanner, SavePlanner, check_process_group
 
-__all__ = ["save", "load"]
+__all__ = ["save", "async_save", "load"]
 
 PARTIAL_SUFFIX = ".partial"
 METADATA_FILE = ".metadata"
@@ -41,9 +42,9 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _on_process_0(step) -> None:
+def _on_process_0(step, group=None) -> None:
     """Runs ``step()`` on process 0 only; every process returns once it has, and raises if it
-    failed."""
+    failed. ``group``: the process group to tell the others through (None: the default)."""
     if not _distributed():
         step()
         return
@@ -53,9 +54,9 @@ def _on_process_0(step) -> None:
             step()
         except Exception as e:  # reported to the others below, then re-raised here
             outcome = [f"{type(e).__name__}: {e}"]
-            dist.broadcast_object_list(outcome, src=0)
+            dist.broadcast_object_list(outcome, src=0, group=group)
             raise
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=group)
     if outcome[0] is not None:
         raise RuntimeError(f"process 0 failed while writing the checkpoint: {outcome[0]}")
 
@@ -107,6 +108,13 @@ def save(state: dict, path, *, overwrite: bool = False) -> None:
         >>> import xshard.checkpoint as xcp
         >>> xcp.save({"model": model, "optim": opt, "step": 100}, "ckpt/100")  # doctest: +SKIP
     """
+    _wait_for_async_save()
+    path = _save_path(path, overwrite)
+    check_process_group()
+    _write(states.to_state_dicts(state, prime=False), path, SavePlanner())
+
+
+def _save_path(path, overwrite) -> str:
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be a bool, got {overwrite!r}.")
     path = os.path.abspath(os.fspath(path))
@@ -115,21 +123,86 @@ def save(state: dict, path, *, overwrite: bool = False) -> None:
         raise CheckpointError(
             f"{path} already exists ({what}). Save to a new path (e.g. one per step), delete it "
             f"first, or pass overwrite=True to replace a checkpoint.", key=None)
-    check_process_group()
+    return path
+
+
+def _write(to_write: dict, path: str, planner: SavePlanner, group=None) -> None:
+    """Writes ``to_write`` into ``<path>.partial``, then commits it to ``path`` (see [Note:
+    atomic checkpoints]); the collectives go through ``group`` (None: the default group)."""
     staging = path + PARTIAL_SUFFIX
-    to_write = states.to_state_dicts(state, prime=False)
 
     def fresh_staging():
         if os.path.exists(staging):  # left by an interrupted save
             shutil.rmtree(staging)
         os.makedirs(staging)
 
-    _on_process_0(fresh_staging)
+    _on_process_0(fresh_staging, group)
     writer = FileSystemWriter(staging, per_thread_copy_ahead=0, overwrite=False)
     with _dcp_errors(f"Saving {path}", f"nothing was committed; {staging} is left over and "
                      f"the next save to this path removes it"):
-        dcp.save(to_write, storage_writer=writer, planner=SavePlanner())
-    _on_process_0(lambda: _commit(staging, path))
+        dcp.save(to_write, storage_writer=writer, planner=planner, process_group=group)
+    _on_process_0(lambda: _commit(staging, path), group)
+
+
+# [Note: asynchronous saves]
+# async_save copies this process's share of the state to host memory (``SavePlanner.stage``: the
+# blocks it writes, no gather) and returns; one background thread per process then writes and
+# commits it as ``save`` does, while training goes on and changes the device tensors. Its
+# collectives (DCP's plan exchange, the commit's broadcast) go through a gloo group of their own,
+# created by the first async_save on every process, so they never interleave with the main
+# thread's. At most one save is in flight: the next save, async_save or load waits for it, as
+# does the interpreter's exit; a failed one raises from the future's result() and warns.
+_ASYNC = {"executor": None, "group": None, "pending": None}
+
+
+def async_save(state: dict, path, *, overwrite: bool = False) -> concurrent.futures.Future:
+    """``save``, returning as soon as the state is copied to host memory; the files are written
+    and committed on a background thread.
+
+    Call on every process. The state may change (a training step) right after it returns: what
+    is saved is the state at the call. Holds this process's share of the state in host memory
+    until written.
+
+    Args:
+        state, path, overwrite: as for ``save``.
+
+    Returns:
+        A ``concurrent.futures.Future``: ``result()`` returns None once the checkpoint is
+        committed at ``path``, or raises the save's ``CheckpointError``.
+
+    Example:
+        >>> pending = xcp.async_save({"model": model, "optim": opt, "step": step},
+        ...                          f"ckpt/{step}")  # doctest: +SKIP
+        >>> ...  # training goes on
+        >>> pending.result()  # doctest: +SKIP
+    """
+    _wait_for_async_save()
+    path = _save_path(path, overwrite)
+    check_process_group()
+    planner = SavePlanner()
+    staged = planner.stage(states.to_state_dicts(state, prime=False))
+    if _ASYNC["executor"] is None:
+        _ASYNC["executor"] = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="xshard-checkpoint")
+        _ASYNC["group"] = dist.new_group(backend="gloo") if _distributed() else None
+    future = _ASYNC["executor"].submit(_write, staged, path, planner, _ASYNC["group"])
+    future.add_done_callback(_warn_if_failed)
+    _ASYNC["pending"] = future
+    return future
+
+
+def _warn_if_failed(future: concurrent.futures.Future) -> None:
+    error = future.exception()
+    if error is not None:  # raised by result() too; warned of for a caller that never asks
+        warnings.warn(f"xshard.checkpoint.async_save failed: {type(error).__name__}: {error}",
+                      RuntimeWarning, stacklevel=1)
+
+
+def _wait_for_async_save() -> None:
+    """Waits for the async_save in flight, if any (its error is the caller's of ``result()``)."""
+    pending, _ASYNC["pending"] = _ASYNC["pending"], None
+    if pending is not None:
+        concurrent.futures.wait([pending])
 
 
 def _commit(staging: str, path: str) -> None:
@@ -207,6 +280,7 @@ def load(state: dict, path) -> None:
         >>> xcp.load(state, "ckpt/100")  # doctest: +SKIP
         >>> step = state["step"]  # doctest: +SKIP
     """
+    _wait_for_async_save()
     path = os.path.abspath(os.fspath(path))
     _check_complete(path)
     check_process_group()

@@ -21,14 +21,18 @@ The files are standard DCP: ``dcp_to_torch_save`` consolidates them, and any DCP
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import io
 import math
+from typing import Callable
 
 import jax
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan,
@@ -83,22 +87,46 @@ class SavePlanner(DefaultSavePlanner):
 
     def __init__(self):
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True)
-        self._sources: dict[MetadataIndex, tuple] = {}
+        self._sources: dict[MetadataIndex, Callable[[], torch.Tensor]] = {}
+        self._staged_mappings = None
+
+    def stage(self, state_dict: dict) -> dict:
+        """A snapshot of ``state_dict`` in host memory, for ``dcp.save`` with this planner to write
+        on another thread while the devices go on (``xshard.checkpoint.async_save``): each device
+        tensor as the blocks this process writes, CPU tensors cloned, Python values deep-copied.
+        The snapshot is flat (DCP's flattening, done here); it is saved under the same keys and
+        paths as ``state_dict`` would be."""
+        flat, self._staged_mappings = flatten_state_dict(state_dict)
+        _settle(flat.values())
+        staged = {}
+        for fqn, value in flat.items():
+            if api.is_device_tensor(value):
+                staged[fqn] = _HostBlocks(value)
+            elif isinstance(value, torch.Tensor):
+                staged[fqn] = value.detach().clone()
+            else:
+                staged[fqn] = copy.deepcopy(value)
+        return staged
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         check_process_group()
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        if self._staged_mappings is not None:  # flattened by stage(): keep the original paths
+            self.mappings = self._staged_mappings
 
     def create_local_plan(self) -> SavePlan:
         _settle(self.state_dict.values())
         items, self._sources = [], {}
         for fqn, value in self.state_dict.items():
-            if api.is_device_tensor(value):
+            if isinstance(value, _HostBlocks):
+                items += self._staged_items(fqn, value)
+            elif api.is_device_tensor(value):
                 items += self._device_items(fqn, value)
             elif not self.is_coordinator:
                 continue
             elif isinstance(value, torch.Tensor):
-                items.append(_tensor_item(fqn, value, WriteItemType.TENSOR))
+                items.append(_tensor_item(fqn, tuple(value.shape), value.dtype,
+                                          WriteItemType.TENSOR))
             else:
                 items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items, planner_data=self.mappings)
@@ -109,38 +137,61 @@ class SavePlanner(DefaultSavePlanner):
             t = t.clone()
         array = api.array(t)
         shape = tuple(t.shape)
+        blocks = [(block.chunk, functools.partial(_read_block, shard, block))
+                  for block, shard in layout.blocks_to_write(array, shape)]
+        return self._shard_items(fqn, shape, t.dtype, blocks)
+
+    def _staged_items(self, fqn: str, staged: "_HostBlocks") -> list[WriteItem]:
+        blocks = [(chunk, lambda data=data: data) for chunk, data in staged.blocks]
+        return self._shard_items(fqn, staged.shape, staged.dtype, blocks)
+
+    def _shard_items(self, fqn: str, shape, dtype, blocks) -> list[WriteItem]:
+        """One write item per (chunk, data source) in ``blocks``; a tensor without elements (no
+        block has data) is recorded by the coordinator all the same."""
         items = []
-        for block, shard in layout.blocks_to_write(array, shape):
-            item = _tensor_item(fqn, t, WriteItemType.SHARD, block.chunk)
-            self._sources[item.index] = (shard, block)
+        for chunk, source in blocks:
+            item = _tensor_item(fqn, shape, dtype, WriteItemType.SHARD, chunk)
+            self._sources[item.index] = source
             items.append(item)
-        if t.numel() == 0 and self.is_coordinator:  # no block has data; record the tensor anyway
-            item = _tensor_item(fqn, t, WriteItemType.SHARD)
-            self._sources[item.index] = (None, None)
+        if math.prod(shape) == 0 and self.is_coordinator:
+            item = _tensor_item(fqn, shape, dtype, WriteItemType.SHARD)
+            self._sources[item.index] = functools.partial(torch.empty, shape, dtype=dtype)
             items.append(item)
         return items
 
     def resolve_data(self, write_item: WriteItem):
         source = self._sources.get(write_item.index)
-        if source is None:
-            return super().resolve_data(write_item)
-        shard, block = source
-        if shard is None:
-            return torch.empty(write_item.tensor_data.size,
-                               dtype=write_item.tensor_data.properties.dtype)
-        # Read from the device only now: DCP resolves items as it writes them, so one block at a
-        # time is on the host.
-        return numpy_to_torch(jax.device_get(shard.data)[block.inside])
+        return super().resolve_data(write_item) if source is None else source()
 
 
-def _tensor_item(fqn: str, t: torch.Tensor, kind: WriteItemType, chunk=None) -> WriteItem:
+def _read_block(shard, block) -> torch.Tensor:
+    # Read from the device only when DCP resolves the item, as it writes it: one block at a time
+    # is on the host.
+    return numpy_to_torch(jax.device_get(shard.data)[block.inside])
+
+
+class _HostBlocks:
+    """A device tensor's blocks that this process writes, copied to host memory (``stage``)."""
+
+    def __init__(self, t: torch.Tensor):
+        if api.is_view(t):  # a view has no array of its own; save a copy of its values
+            t = t.clone()
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+        pairs = layout.blocks_to_write(api.array(t), self.shape)
+        hosts = jax.device_get([shard.data for _, shard in pairs])  # one transfer for all
+        self.blocks = [(block.chunk, numpy_to_torch(host[block.inside]))
+                       for (block, _), host in zip(pairs, hosts)]
+
+
+def _tensor_item(fqn: str, shape: tuple, dtype: torch.dtype, kind: WriteItemType,
+                 chunk=None) -> WriteItem:
     if chunk is None:
-        chunk = layout.block(tuple((0, n) for n in t.shape), tuple(t.shape)).chunk
+        chunk = layout.block(tuple((0, n) for n in shape), tuple(shape)).chunk
     return WriteItem(
         index=MetadataIndex(fqn, chunk.offsets),
         type=kind,
-        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=t.dtype),
-                                    size=torch.Size(t.shape)))
+        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype),
+                                    size=torch.Size(shape)))
 
 
 class _Target:

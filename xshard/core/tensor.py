@@ -167,6 +167,28 @@ class XTensor(LazyTensor):
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                 (to_cpu(self), self.dtype, str(self.device), self.requires_grad))
 
+    # [Note: DCP's default stager] dcp.async_save copies the state to the host with a stager that
+    # takes a tensor whose data_ptr() is 0 and is not a plain tensor for a wrapper of inner
+    # tensors: it allocates an uninitialised CPU tensor and copies the wrapper's attributes onto
+    # it. An xshard tensor keeps its values on the devices, so the checkpoint would hold garbage;
+    # the stager's first question is refused instead.
+    def data_ptr(self):
+        if _asked_by_dcp_stager(sys._getframe(1).f_code):
+            raise RuntimeError(DCP_STAGER_ERROR)
+        return super().data_ptr()
+
+
+DCP_STAGER_ERROR = (
+    "dcp.async_save's default stager cannot copy xshard tensors to the host (it would save "
+    "uninitialised memory). Use xshard.checkpoint.async_save(state, path), or pass "
+    "async_stager=torch.distributed.checkpoint.staging.BlockingAsyncStager() to dcp.async_save.")
+
+
+def _asked_by_dcp_stager(code) -> bool:
+    stager = sys.modules.get("torch.distributed.checkpoint._state_dict_stager")
+    offload = getattr(getattr(stager, "StateDictStager", None), "_offload_tensor", None)
+    return offload is not None and code is offload.__code__
+
 
 def new_base(value: ir.Node, stride=None, requires_grad=False, sharding=None) -> XTensor:
     """A fresh base tensor (its own cell) holding ``value``."""

@@ -12,6 +12,9 @@ costs seconds): the JSON line holds one entry per mode.
           AdamW and the tensor in another sharding; compares with DIR/ckpt.pt bit-exactly.
   resume  loads DIR/ckpt into the FSDP layout it was saved from and trains 2 steps; the losses
           must equal the save run's continued losses.
+  async   as save, to DIR/async_ckpt with xcp.async_save, training 2 more steps while it writes;
+          then loads it into a fresh FSDP model (compared bit-exactly with the values at the
+          call) and trains those 2 steps again (the losses must equal the first 2).
 Needs PYTHONPATH to hold the repository root (the tests' helpers are imported).
 """
 
@@ -85,8 +88,26 @@ def run(mode: str, rank: int, directory: str) -> dict:
         xcp.load(state, path)
         out["step"] = state["step"]
         out["losses"] = train(model, opt, data[2:])
+    elif mode == "async":
+        model = fsdp_gpt(seed=3, m=mesh((n,), ("fsdp",)))
+        opt = adamw(model)
+        train(model, opt, data[:2])
+        state = {"model": model, "optim": opt, "step": 2, "extra": {"grid": on_device(
+            torch.arange(60.0).reshape(6, 10) / 7, mesh((2, n // 2), ("a", "b")), ("a", "b"))}}
+        expected = values(state)
+        pending = xcp.async_save(state, os.path.join(directory, "async_ckpt"))
+        out["continued"] = train(model, opt, data[2:])  # while the checkpoint is written
+        pending.result()
+        model = fsdp_gpt(seed=9, m=mesh((n,), ("fsdp",)))
+        opt = adamw(model)
+        state = {"model": model, "optim": opt, "step": 0,
+                 "extra": {"grid": on_device(torch.zeros(6, 10))}}
+        xcp.load(state, os.path.join(directory, "async_ckpt"))
+        assert_same(values(state), expected)
+        out["equal"] = True
+        out["losses"] = train(model, opt, data[2:])
     else:
-        raise SystemExit(f"unknown MODE {mode!r}; choose save, load or resume")
+        raise SystemExit(f"unknown MODE {mode!r}; choose save, load, resume or async")
     return out
 
 
