@@ -3,6 +3,7 @@ size 1), against eager CPU torch."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -318,8 +319,11 @@ def test_rng_state_round_trip():
     assert torch.equal(torch.rand(4, device=DEV).cpu(), a)
     torch_xla.manual_seed(123)
     assert torch.equal(torch.rand(4, device=DEV).cpu(), a)
-    with pytest.raises(ValueError, match="non-negative int seed"):
-        xm.set_rng_state(-1)
+    for bad in (-1, 2 ** 130, 1.5):  # 2**130 was truncated, silently
+        with pytest.raises(ValueError, match="int seed from 0 to 2"):
+            xm.set_rng_state(bad)
+    xm.set_rng_state(np.int64(123))  # numpy ints, as torch_xla's bindings take them
+    assert torch.equal(torch.rand(4, device=DEV).cpu(), a)
 
 
 def test_device_attributes_and_counts():

@@ -67,6 +67,9 @@ def test_all_gather_rendezvous_mesh_reduce(api):
     g = [torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * r for r in (0, 1)]
     for res in results.values():
         assert res["all_gather"] == [torch.cat(g, 0).tolist(), torch.cat(g, 1).tolist()]
+        assert res["all_gather_list"] == [torch.cat(g, 0).tolist(),
+                                          torch.cat([g[0][0], g[1][0]]).tolist()]
+        assert res["groups_any_order"] == [(g[0] + g[1]).tolist()] * 2
         assert res["rendezvous"] == ["from 0", "from 1"]
         assert res["mesh_reduce"] == [1.0, 2.0]
 
@@ -141,6 +144,11 @@ def test_names_without_meaning_in_a_replica(api):
     assert errors["spawn"].startswith("RuntimeError: xmp.spawn was called inside a process")
     assert "one logical device per process" in errors["device_1"]
     assert errors["groups"].startswith("NotImplementedError: xm.all_reduce(groups=[[0], [1]])")
+    assert errors["group_order"].startswith(
+        "NotImplementedError: xm.all_gather(groups=[[1, 0]]): the group lists the replicas out "
+        "of ordinal order")
+    assert errors["number"].startswith("TypeError: xm.all_reduce needs an xshard tensor or a "
+                                       "list of them, got float 5.0")
     assert errors["full_graph"].startswith("RuntimeError: torch_xla.compile(<lambda>, "
                                            "full_graph=True): reading a tensor's value")
 
@@ -174,6 +182,16 @@ def test_different_collectives_raise():
 def test_a_replica_that_skips_a_collective():
     run = _fail("skip")
     assert "process 1 exited" in run.stderr and "MultiProcessTimeoutError" in run.stderr
+
+
+def test_a_rendezvous_a_replica_never_reaches():
+    """The master alone calls xm.save, which meets the other replicas, and the other returns: an
+    error naming both within seconds (gloo's all-gather waited until JAX's coordination service
+    aborted the process, a minute later, with pages of 'Shutdown barrier has failed')."""
+    run = _fail("save")
+    assert "process 0 stops at check #1 (rendezvous of 'torch_xla.core.xla_model.save' at " \
+           "replica_fail.py" in run.stderr, run.explain()
+    assert "process 1 exited" in run.stderr
 
 
 @pytest.mark.slow

@@ -262,11 +262,15 @@ def exchange_objects(tag: str, payload) -> list:
     the same ``tag``."""
     import torch.distributed as dist
 
-    from xshard.core import distributed
+    from xshard.core import distributed, divergence
 
     if not dist.is_initialized():
         raise RuntimeError("the replicas have no torch.distributed group; they are started by "
                            "xmp.spawn, which creates one (xshard.initialize()).")
+    # Every replica arrives first, through the same check as device collectives: one that
+    # returned, failed or went elsewhere is an error naming it within XSHARD_SYNC_TIMEOUT, where
+    # gloo's all-gather would wait for it until JAX's coordination service aborted the process.
+    divergence.before_collective(f"rendezvous: {tag}", "rendezvous", repr(tag))
     gathered: list = [None] * distributed.num_processes()
     dist.all_gather_object(gathered, (tag, payload))
     tags = [g[0] for g in gathered]

@@ -199,12 +199,21 @@ def _check_reduce_type(reduce_type) -> str:
     return reduce_type
 
 
-def _check_groups(groups, what: str) -> None:
-    if groups is None:
+def _check_groups(groups, what: str, ordered: bool = True) -> None:
+    """``groups`` must be None or ``[]`` (torch_xla's spellings of every replica) or one group of
+    every replica; ``ordered``: in ordinal order (the blocks of a gather or scatter follow the
+    order of the group, which xshard does not reorder)."""
+    if groups is None or (isinstance(groups, (list, tuple)) and len(groups) == 0):
         return
     n = _world.world_size()
-    flat = sorted(r for g in groups for r in g) if isinstance(groups, (list, tuple)) else None
+    ok = isinstance(groups, (list, tuple)) and all(isinstance(g, (list, tuple)) for g in groups)
+    flat = sorted(r for g in groups for r in g) if ok else None
     if flat == list(range(n)) and len(groups) == 1:
+        if ordered and list(groups[0]) != flat:
+            raise NotImplementedError(
+                f"{what}(groups={groups!r}): the group lists the replicas out of ordinal order, "
+                f"which would order the blocks by position in the group; xshard orders them by "
+                f"ordinal. Pass groups=None (or {[flat]!r}) and reorder the result yourself.")
         return  # one group of every replica: the default
     raise NotImplementedError(
         f"{what}(groups={groups!r}): only one group of all {n} replicas is supported; reduce over "
@@ -221,7 +230,7 @@ def _check_device_tensors(tensors: list, what: str) -> None:
 
 
 def _check_scale(scale, tensors: list, what: str) -> float:
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a number, got {type(scale).__name__}.")
     if scale != 1.0:
         for t in tensors:
@@ -231,7 +240,7 @@ def _check_scale(scale, tensors: list, what: str) -> float:
     return float(scale)
 
 
-def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, output=None,
+def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None,
                pin_layout: bool = True):
     """Reduces ``inputs`` across the replicas (``reduce_type``: ``xm.REDUCE_SUM``, ...), then
     multiplies by ``scale``.
@@ -241,8 +250,8 @@ def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, output
             ``REDUCE_MIN`` or ``REDUCE_MAX``.
         inputs: one xshard tensor, or a list of them (reduced in place, one collective per dtype).
         scale: a factor applied to the result (floating-point tensors; 1.0 for the others).
-        groups: None (all replicas).
-        output, pin_layout: accepted for compatibility (``output`` must be None).
+        groups: None or ``[]`` (all replicas), or one group of every replica, in any order.
+        pin_layout: accepted for compatibility.
 
     Returns:
         For a tensor: a new tensor with the result. For a list: the same list, its tensors now
@@ -253,11 +262,12 @@ def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, output
         >>> xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / xm.xrt_world_size())  # doctest: +SKIP
     """
     _check_reduce_type(reduce_type)
-    _check_groups(groups, "xm.all_reduce")
-    if output is not None:
-        raise NotImplementedError("xm.all_reduce(output=...) is not supported; use the returned "
-                                  "tensor (or pass a list, which is reduced in place).")
+    _check_groups(groups, "xm.all_reduce", ordered=False)
     single = isinstance(inputs, torch.Tensor)
+    if not single and not isinstance(inputs, (list, tuple)):
+        raise TypeError(f"xm.all_reduce needs an xshard tensor or a list of them, got "
+                        f"{type(inputs).__name__} {inputs!r}; for a Python number, reduce "
+                        f"torch.tensor(value, device=xm.xla_device()), or use xm.mesh_reduce.")
     tensors = [inputs] if single else list(inputs)
     _check_device_tensors(tensors, "xm.all_reduce")
     scale = _check_scale(scale, tensors, "xm.all_reduce")
@@ -281,11 +291,14 @@ def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, output
 
 def all_gather(value: torch.Tensor, dim: int = 0, groups=None, output=None,
                pin_layout: bool = True) -> torch.Tensor:
-    """The replicas' values of ``value`` concatenated along ``dim``, in ordinal order.
+    """The replicas' values of ``value`` concatenated along ``dim``, in ordinal order; for a list
+    of tensors (torch_xla's coalesced form), the list of their gathers.
 
     Example:
         >>> everyone = xm.all_gather(predictions)     # (world * batch, ...)  # doctest: +SKIP
     """
+    if isinstance(value, (list, tuple)) and output is None:
+        return [all_gather(v, dim, groups, None, pin_layout) for v in value]
     _check_groups(groups, "xm.all_gather")
     if output is not None:
         raise NotImplementedError("xm.all_gather(output=...) is not supported; use the returned "
@@ -476,7 +489,7 @@ def collective_broadcast(tensors, root_ordinal: int = 0, groups=None,
         >>> xm.collective_broadcast(list(model.parameters()))   # doctest: +SKIP
     """
     what = "xm.collective_broadcast"
-    _check_groups(groups, what)
+    _check_groups(groups, what, ordered=False)
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     _check_device_tensors(tensors, what)
     n = _world.world_size()
@@ -651,8 +664,10 @@ def set_rng_state(seed: int, device=None) -> None:
         >>> xm.set_rng_state(1234 + xm.get_ordinal())   # per-replica dropout masks
     """
     _check_device(device)
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"set_rng_state needs a non-negative int seed, got {seed!r}.")
+    if not _is_int(seed) or not 0 <= seed < 2 ** 128:
+        raise ValueError(f"set_rng_state needs an int seed from 0 to 2**128 - 1 (a seed below "
+                         f"2**64, or a value from get_rng_state), got {seed!r}.")
+    seed = int(seed)
     state = struct.pack("<QQ", seed & rng.MASK, (seed >> 64) & rng.MASK)
     rng.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 

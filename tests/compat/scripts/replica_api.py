@@ -67,6 +67,13 @@ def _mp_fn(index, out_dir):
     g = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * index
     out["all_gather"] = [xm.all_gather(g.to(dev)).cpu().tolist(),
                          xm.all_gather(g.to(dev), dim=1).cpu().tolist()]
+    # torch_xla's other spellings: a list (coalesced), groups=[] (every replica), a group listed
+    # out of order for a reduction (any order), pin_layout as the 5th positional argument.
+    out["all_gather_list"] = [t.cpu().tolist() for t in xm.all_gather(
+        [g.to(dev), g[0].to(dev)], groups=[], pin_layout=False)]
+    out["groups_any_order"] = [
+        xm.all_reduce(xm.REDUCE_SUM, g.to(dev), 1.0, [[1, 0]], False).cpu().tolist(),
+        xm.all_reduce(xm.REDUCE_SUM, g.to(dev), groups=[]).cpu().tolist()]
     # reduce_scatter (a tensor, a list with a dim per rank, other reductions, output=),
     # all_to_all, collective_permute (a swap, one pair: the other replica gets zeros), broadcast.
     a = torch.arange(8, dtype=torch.float32).reshape(4, 2) + 10 * index
@@ -144,6 +151,8 @@ def _mp_fn(index, out_dir):
         "spawn": _error(lambda: xmp.spawn(_mp_fn, args=(out_dir,), nprocs=2)),
         "device_1": _error(lambda: xm.xla_device(1)),
         "groups": _error(lambda: xm.all_reduce(xm.REDUCE_SUM, f.to(dev), groups=[[0], [1]])),
+        "group_order": _error(lambda: xm.all_gather(f.to(dev), groups=[[1, 0]])),
+        "number": _error(lambda: xm.all_reduce(xm.REDUCE_SUM, 5.0)),
         "full_graph": _error(lambda: torch_xla.compile(lambda: f.to(dev).sum().item(),
                                                        full_graph=True)()),
     }

@@ -3,9 +3,11 @@
 - raise:  replica 1 raises before the gradient all-reduce; replica 0 waits in it;
 - shapes: the replicas all-reduce tensors of different shapes;
 - skip:   replica 1 returns without the all-reduce replica 0 makes;
-- tags:   the replicas meet at rendezvous with different tags.
+- tags:   the replicas meet at rendezvous with different tags;
+- save:   the master alone calls xm.save (which meets the others), replica 1 returns.
 """
 
+import os
 import sys
 
 import torch
@@ -23,6 +25,10 @@ def _mp_fn(index, mode):
     if mode == "shapes":
         t = torch.ones(4 + index).to(dev)
     if mode == "skip" and index == 1:
+        return
+    if mode == "save":
+        if xm.is_master_ordinal():
+            xm.save({"t": t}, os.devnull)
         return
     if mode == "tags":
         xm.rendezvous(f"tag {index}")
