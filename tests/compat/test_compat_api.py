@@ -498,3 +498,30 @@ def test_fsdp_v2_with_torch_xla_signature_and_checkpointed_units():
         FSDPv2(net(), mesh, auto_wrapper_callable=lambda m, *a, **k: m)
     with pytest.raises(TypeError, match="returned another module than the Block"):
         FSDPv2(net(), mesh, auto_wrap_policy=policy, auto_wrapper_callable=lambda m, **k: Block())
+
+
+def test_helpers_of_torch_xla_examples(capsys, tmp_path):
+    """Names torch_xla's example scripts use: xm.send_cpu_data_to_device, xm.is_xla_tensor,
+    xm._fetch_gradients (its AMP example) and torch_xla.test.test_utils."""
+    from xshard.compat import test_utils
+
+    batch = xm.send_cpu_data_to_device({"x": torch.ones(2), "y": [torch.zeros(1)]}, DEV)
+    assert xm.is_xla_tensor(batch["x"]) and xm.is_xla_tensor(batch["y"][0])
+    assert not xm.is_xla_tensor(torch.ones(1))
+    model = torch.nn.Linear(2, 1).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert xm._fetch_gradients(opt) == []
+    model(batch["x"]).sum().backward()
+    assert [g.shape for g in xm._fetch_gradients(opt)] == [(1, 2), (1,)]
+    test_utils.print_training(DEV, 3, torch.tensor(0.25, device=DEV), 10.0, 9.5, epoch=1)
+    test_utils.print_test_update(DEV, 97.5, epoch=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| Training Device=xshard:0 Epoch=1 Step=3 Loss=0.25000 "
+                               "Rate=10.00 GlobalRate=9.50 Time=")
+    assert lines[1].startswith("| Test Device=xshard:0 Epoch=1 Accuracy=97.50 Time=")
+    assert test_utils.get_summary_writer(None) is None
+    test_utils.write_to_summary(None, 0, {"loss": 1.0})  # no writer: nothing
+    written = []
+    writer = type("Writer", (), {"add_scalar": lambda self, *a: written.append(a)})()
+    test_utils.write_to_summary(writer, 5, {"acc": torch.tensor(0.5)}, write_xla_metrics=True)
+    assert written[0] == ("acc", 0.5, 5) and all(w[0].startswith("xla/") for w in written[1:])

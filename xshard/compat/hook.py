@@ -41,6 +41,7 @@ ALIASES = {
     "torch_xla.amp": "xshard.compat.amp",
     "torch_xla.amp.syncfree": "xshard.compat.amp.syncfree",
     "torch_xla.utils.checkpoint": "torch.utils.checkpoint",  # torch_xla's copy of it
+    "torch_xla.test.test_utils": "xshard.compat.test_utils",  # its examples' logging helpers
 }
 
 # torch_xla modules with no counterpart here, and what to use instead.
@@ -56,6 +57,11 @@ REPLACEMENTS = {
     "torch_xla.utils.utils": "torch_xla's internal helpers; use the standard library",
     "torch_xla.distributed.xla_multiprocessing_legacy":
         "use torch_xla.distributed.xla_multiprocessing",
+    "torch_xla.core.functions": (
+        "its differentiable collectives have no counterpart here; xm.all_reduce / xm.all_gather "
+        "are not differentiated through. For a gradient across replicas, compute the loss on "
+        "each replica and average the gradients (xm.optimizer_step), or run one SPMD program "
+        "(xr.use_spmd()) where autograd sees the whole computation"),
 }
 
 

@@ -31,6 +31,7 @@ import xshard
 from xshard import memory
 from xshard.compat import _world, collectives
 from xshard.core import api, distributed, rng, runtime
+from xshard.spmd import loader
 
 REDUCE_SUM = "sum"
 REDUCE_MUL = "mul"
@@ -515,14 +516,30 @@ def broadcast_master_param(model: torch.nn.Module) -> None:
     mark_step()
 
 
+def _fetch_gradients(optimizer) -> list:
+    """The gradients of ``optimizer``'s parameters that have one (torch_xla's AMP examples call
+    it to check them for inf / NaN)."""
+    return [p.grad for group in optimizer.param_groups for p in group["params"]
+            if p.grad is not None]
+
+
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
     """Averages the gradients of ``optimizer``'s parameters across the replicas (a sum times
     1/world size, one collective per dtype). Nothing happens with one replica."""
     count = _world.world_size()
     if count > 1:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None]
-        all_reduce(REDUCE_SUM, grads, scale=1.0 / count, groups=groups)
+        all_reduce(REDUCE_SUM, _fetch_gradients(optimizer), scale=1.0 / count, groups=groups)
+
+
+def is_xla_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is on the (xshard) device."""
+    return api.is_device_tensor(tensor)
+
+
+def send_cpu_data_to_device(datas, device, input_sharding=None):
+    """``datas`` (CPU tensors, possibly in tuples, lists, dicts, dataclasses) copied to
+    ``device``, as ``xshard.spmd.send_cpu_data_to_device`` does."""
+    return loader.send_cpu_data_to_device(datas, device, input_sharding)
 
 
 def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None = None,
@@ -805,6 +822,7 @@ __all__ = ["REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", 
            "add_step_closure", "mark_step", "wait_device_ops", "optimization_barrier_",
            "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute",
            "collective_broadcast", "broadcast_master_param", "reduce_gradients",
+           "is_xla_tensor", "send_cpu_data_to_device",
            "optimizer_step", "rendezvous",
            "mesh_reduce", "do_on_ordinals", "save", "get_rng_state", "set_rng_state",
            "fork_rng", "get_memory_info", "RateTracker"]
