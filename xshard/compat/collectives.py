@@ -270,7 +270,8 @@ def exchange_objects(tag: str, payload) -> list:
     # Every replica arrives first, through the same check as device collectives: one that
     # returned, failed or went elsewhere is an error naming it within XSHARD_SYNC_TIMEOUT, where
     # gloo's all-gather would wait for it until JAX's coordination service aborted the process.
-    divergence.before_collective(f"rendezvous: {tag}", "rendezvous", repr(tag))
+    # The tags are compared after the gather (a mismatch names both).
+    divergence.before_collective("rendezvous", "rendezvous", repr(tag))
     gathered: list = [None] * distributed.num_processes()
     dist.all_gather_object(gathered, (tag, payload))
     tags = [g[0] for g in gathered]
