@@ -95,7 +95,8 @@ def _inference_mode_views(dev):
     t = torch.zeros(5, device=dev)
     with torch.inference_mode():
         w = model[0].weight
-        views = [w.t(), w[0], w.view(-1), w.detach(), w.unbind(0)[1]]
+        views = [w.t(), w[0], w.view(-1), w.detach(), w.unbind(0)[1],
+                 w.as_strided((2, 3), (1, 2)), w.detach().t().as_strided((3,), (4,), 1)]
         flags = [(v.is_inference(), v.requires_grad) for v in views]
         state = model.state_dict()  # detaches each parameter
         out = model(x)

@@ -378,7 +378,8 @@ def _storage(t: XTensor) -> XTensor:
             f"xshard cannot call as_strided on a {t.dtype} view of {value.dtype} storage; call "
             f".clone() first.")
     layout = cell.layout
-    root = XTensor(cell, (), value.shape, layout or contiguous_strides(value.shape), value.dtype)
+    root = _view_tensor(t, (), value.shape, layout or contiguous_strides(value.shape),
+                        value.dtype, 0)
     if layout is None:
         return root
     order = sorted(range(len(layout)), key=lambda d: (-layout[d], d))
@@ -399,7 +400,7 @@ def _make_view(base: XTensor, step, spec, relative: bool) -> XTensor:
 
 
 def _view_tensor(base: XTensor, chain, shape, stride, dtype, offset) -> XTensor:
-    """A view of ``base``'s storage. Under torch.inference_mode a view of a normal tensor is a
+    """A view (``chain``) of ``base``'s storage. Under torch.inference_mode a view of a normal tensor is a
     normal tensor, as in eager: autograd then shares ``base``'s version counter with it, which it
     cannot with an inference tensor ("Cannot set version_counter for inference tensor": ``w.t()``
     or ``model.state_dict()`` of a device model raised)."""
