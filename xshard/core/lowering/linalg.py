@@ -52,11 +52,16 @@ def _round_once(fn):
 # product is therefore kept in float32 and rounded after the sum: a sharded contraction then
 # all-reduces in float32 (twice the bytes of a bfloat16 one, as FSDP's ``reduce_dtype=float32``
 # already does), and an unsharded one is unchanged (XLA fuses the rounding into the dot).
-@rule(aten.mm, aten.bmm, aten.matmul, aten.dot, aten.mv, aten.vdot)
+@rule(aten.mm, aten.bmm, aten.matmul, aten.dot, aten.mv)
 def _mm(a, b):
     dtype = result_dtype(a, b)
     out = _matmul(a, b, wide=True)
     return out.astype(dtype) if out.dtype != dtype else out
+
+
+@rule(aten.vdot)
+def _vdot(a, b):
+    return _mm(jnp.conj(a), b)
 
 
 def _scale(x, factor):
