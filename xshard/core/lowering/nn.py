@@ -24,7 +24,8 @@ def _conv_dimension_numbers(nd):
 
 
 @rule(aten.convolution.default)
-def _convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+def _convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups,
+                 round_once: bool = True):
     nd = x.ndim - 2
     dn = _conv_dimension_numbers(nd)
     # One value stands for every spatial dim, as in ATen (``padding='valid'`` passes ``[0]``).
@@ -34,7 +35,8 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
     # A 16-bit float convolution is summed (with its bias) in float32 and rounded once, as ATen's
     # CPU kernels do (rounding the convolution first differed in a quarter of the elements of a
     # bfloat16 conv2d; see [Note: 16-bit products rounded once] for a sharded contraction).
-    wide = {"preferred_element_type": np.float32} if x.dtype in HALF_FLOATS else {}
+    wide = {"preferred_element_type": np.float32} if (
+        round_once and x.dtype in HALF_FLOATS) else {}
     if not transposed:
         out = lax.conv_general_dilated(
             x, w, window_strides=tuple(stride), padding=[(p, p) for p in padding],
@@ -75,9 +77,12 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
 @rule(aten.convolution_backward.default)
 def _convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
                           output_padding, groups, output_mask):
+    # Differentiated in the inputs' dtype: through a float32 product JAX's transposes would
+    # convert both operands to float32 (16-bit tensor cores unused). So a 16-bit weight gradient
+    # over a sharded batch sums the devices' parts in 16 bits (README, Known limits).
     def f(x_, w_):
         return _convolution(x_, w_, None, stride, padding, dilation, transposed, output_padding,
-                            groups)
+                            groups, round_once=False)
     _, vjp = jax.vjp(f, x, w)
     gx, gw = vjp(grad)
     nd = x.ndim - 2
