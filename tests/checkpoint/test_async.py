@@ -46,6 +46,18 @@ def test_the_checkpoint_holds_the_state_at_the_call(tmp_path):
     assert train(fresh, fresh_opt, data[2:]) == continued
 
 
+def test_python_values_are_pickled_at_the_call(tmp_path):
+    """A device tensor inside a value DCP pickles whole (a tuple) is read at the call, not on the
+    background thread, and saved as it was then."""
+    a = on_device(torch.arange(4.0), mesh(), ("x",))
+    pending = xcp.async_save({"pair": (a, a * 2)}, tmp_path / "ckpt")
+    a.mul_(10)
+    pending.result()
+    out = {"pair": None}
+    xcp.load(out, tmp_path / "ckpt")
+    assert [t.tolist() for t in out["pair"]] == [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]
+
+
 def test_saves_one_at_a_time_and_keep_save_s_checks(tmp_path):
     t = on_device(torch.arange(8.0), mesh(), ("x",))
     first = xcp.async_save({"t": t}, tmp_path / "a")
@@ -61,10 +73,20 @@ def test_saves_one_at_a_time_and_keep_save_s_checks(tmp_path):
         assert torch.equal(out["t"], torch.arange(8.0) * factor)
 
 
-def test_a_failed_write_raises_from_the_future_and_warns(tmp_path):
-    """A Python value that cannot be pickled fails on the background thread: result() raises, a
-    warning says so for a caller that never asks, nothing is committed, and the next save works."""
+def test_a_failed_write_raises_from_the_future_and_warns(tmp_path, monkeypatch):
+    """A write failing on the background thread: result() raises, a warning says so for a caller
+    that never asks, nothing is committed, and the next save works. A value that cannot be
+    pickled is refused at the call, naming its key."""
     state = {"t": on_device(torch.ones(4)), "fn": lambda: 0}
+    with pytest.raises(xcp.CheckpointError, match="Key 'fn': the value \\(function\\) cannot "
+                                                 "be pickled"):
+        xcp.async_save(state, tmp_path / "ckpt")
+    del state["fn"]
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemWriter, "write_data", full_disk)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pending = xcp.async_save(state, tmp_path / "ckpt")
@@ -72,7 +94,8 @@ def test_a_failed_write_raises_from_the_future_and_warns(tmp_path):
             pending.result()
     assert any("async_save failed" in str(w.message) for w in caught)
     assert not (tmp_path / "ckpt").exists()
-    xcp.async_save({"t": state["t"]}, tmp_path / "ckpt").result()
+    monkeypatch.undo()
+    xcp.async_save(state, tmp_path / "ckpt").result()
     out = {"t": torch.zeros(4)}
     xcp.load(out, tmp_path / "ckpt")
     assert torch.equal(out["t"], torch.ones(4))

@@ -282,3 +282,25 @@ def test_optimizer_state_priming_does_not_make_loads(tmp_path, optimizer):
     model2, opt2 = make()
     xcp.load({"model": model2, "optim": opt2}, tmp_path / "ckpt")
     torch.testing.assert_close(run(model2, opt2, 2), run(model, opt, 2), rtol=0, atol=0)
+
+
+def test_optimizer_state_of_parameters_the_optimizer_lacks_is_refused(tmp_path):
+    """A checkpoint of an optimizer over more parameters than the one loading it is refused
+    before anything is written (entries only later steps create are added for parameters the
+    optimizer has, never for others)."""
+    def make(layers):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(layers)]).to(xshard.device())
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.ones(2, 3, device=xshard.device())).sum().backward()
+        opt.step()
+        return model, opt
+
+    _, big = make(2)
+    xcp.save({"optim": big}, tmp_path / "ckpt")
+    _, small = make(1)
+    before = snapshot(small.state_dict())
+    with pytest.raises(xcp.CheckpointError, match="holds 6 entries under 'optim' that the state "
+                                                 "to load into lacks"):
+        xcp.load({"optim": small}, tmp_path / "ckpt")
+    assert_same(snapshot(small.state_dict()), before)

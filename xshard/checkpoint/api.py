@@ -61,14 +61,18 @@ def _on_process_0(step, group=None) -> None:
         raise RuntimeError(f"process 0 failed while writing the checkpoint: {outcome[0]}")
 
 
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
+
+
 @contextlib.contextmanager
-def _dcp_errors(what: str, consequence: str):
+def _dcp_errors(what: str, consequence: str, quiet: bool = True):
     """DCP's single-process warning off (xshard means it), and DCP's errors (a
     ``CheckpointException``, which is not an ``Exception``, carrying each process's error) turned
     into ordinary ones: a ``CheckpointError`` from any process is raised as itself, anything else
     as a ``CheckpointError`` naming the processes and the first error."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with warnings.catch_warnings() if quiet else contextlib.nullcontext():
+        if quiet:
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         try:
             yield
         except CheckpointException as e:
@@ -126,9 +130,10 @@ def _save_path(path, overwrite) -> str:
     return path
 
 
-def _write(to_write: dict, path: str, planner: SavePlanner, group=None) -> None:
+def _write(to_write: dict, path: str, planner: SavePlanner, group=None, quiet=True) -> None:
     """Writes ``to_write`` into ``<path>.partial``, then commits it to ``path`` (see [Note:
-    atomic checkpoints]); the collectives go through ``group`` (None: the default group)."""
+    atomic checkpoints]); the collectives go through ``group`` (None: the default group).
+    ``quiet``: DCP's single-process warning off around the save (main thread only)."""
     staging = path + PARTIAL_SUFFIX
 
     def fresh_staging():
@@ -139,7 +144,7 @@ def _write(to_write: dict, path: str, planner: SavePlanner, group=None) -> None:
     _on_process_0(fresh_staging, group)
     writer = FileSystemWriter(staging, per_thread_copy_ahead=0, overwrite=False)
     with _dcp_errors(f"Saving {path}", f"nothing was committed; {staging} is left over and "
-                     f"the next save to this path removes it"):
+                     f"the next save to this path removes it", quiet=quiet):
         dcp.save(to_write, storage_writer=writer, planner=planner, process_group=group)
     _on_process_0(lambda: _commit(staging, path), group)
 
@@ -151,8 +156,11 @@ def _write(to_write: dict, path: str, planner: SavePlanner, group=None) -> None:
 # collectives (DCP's plan exchange, the commit's broadcast) go through a gloo group of their own,
 # created by the first async_save on every process, so they never interleave with the main
 # thread's. At most one save is in flight: the next save, async_save or load waits for it, as
-# does the interpreter's exit; a failed one raises from the future's result() and warns.
-_ASYNC = {"executor": None, "group": None, "pending": None}
+# does the interpreter's exit; a failed one raises from the future's result() and warns. Python
+# values are pickled on the calling thread (the background one never touches a device tensor),
+# and DCP's "torch.distributed is disabled" warning is filtered for the whole process by
+# async_save, since warning filters cannot be set for one thread.
+_ASYNC = {"executor": None, "world": None, "group": None, "pending": None}
 
 
 def async_save(state: dict, path, *, overwrite: bool = False) -> concurrent.futures.Future:
@@ -184,11 +192,25 @@ def async_save(state: dict, path, *, overwrite: bool = False) -> concurrent.futu
     if _ASYNC["executor"] is None:
         _ASYNC["executor"] = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="xshard-checkpoint")
-        _ASYNC["group"] = dist.new_group(backend="gloo") if _distributed() else None
-    future = _ASYNC["executor"].submit(_write, staged, path, planner, _ASYNC["group"])
+    # Warning filters are the process's, not a thread's: set here (a filter already there is not
+    # added twice), not switched on and off around the background save (see _dcp_errors).
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+    world = dist.group.WORLD if _distributed() else None
+    if _ASYNC["world"] is not world:  # a new process group (or none): a new group of our own
+        _ASYNC["world"] = world
+        _ASYNC["group"] = dist.new_group(backend="gloo") if world is not None else None
+    future = _ASYNC["executor"].submit(_write_staged, staged, path, planner, _ASYNC["group"])
     future.add_done_callback(_warn_if_failed)
     _ASYNC["pending"] = future
     return future
+
+
+def _write_staged(staged: dict, path: str, planner: SavePlanner, group) -> None:
+    try:
+        _write(staged, path, planner, group, quiet=False)
+    finally:  # a failure's traceback keeps these frames: let the host copy go
+        staged.clear()
+        planner.state_dict, planner._sources = {}, {}
 
 
 def _warn_if_failed(future: concurrent.futures.Future) -> None:

@@ -21,7 +21,6 @@ The files are standard DCP: ``dcp_to_torch_save`` consolidates them, and any DCP
 
 from __future__ import annotations
 
-import copy
 import difflib
 import functools
 import io
@@ -93,9 +92,9 @@ class SavePlanner(DefaultSavePlanner):
     def stage(self, state_dict: dict) -> dict:
         """A snapshot of ``state_dict`` in host memory, for ``dcp.save`` with this planner to write
         on another thread while the devices go on (``xshard.checkpoint.async_save``): each device
-        tensor as the blocks this process writes, CPU tensors cloned, Python values deep-copied.
-        The snapshot is flat (DCP's flattening, done here); it is saved under the same keys and
-        paths as ``state_dict`` would be."""
+        tensor as the blocks this process writes, CPU tensors cloned, Python values pickled (so
+        nothing on that thread reads a device tensor a value holds). The snapshot is flat (DCP's
+        flattening, done here); it is saved under the same keys and paths as ``state_dict``."""
         flat, self._staged_mappings = flatten_state_dict(state_dict)
         _settle(flat.values())
         staged = {}
@@ -105,7 +104,7 @@ class SavePlanner(DefaultSavePlanner):
             elif isinstance(value, torch.Tensor):
                 staged[fqn] = value.detach().clone()
             else:
-                staged[fqn] = copy.deepcopy(value)
+                staged[fqn] = _Pickled(fqn, value)
         return staged
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
@@ -128,7 +127,10 @@ class SavePlanner(DefaultSavePlanner):
                 items.append(_tensor_item(fqn, tuple(value.shape), value.dtype,
                                           WriteItemType.TENSOR))
             else:
-                items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+                item = WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+                if isinstance(value, _Pickled):
+                    self._sources[item.index] = value.stream
+                items.append(item)
         self.plan = SavePlan(items, planner_data=self.mappings)
         return self.plan
 
@@ -168,6 +170,24 @@ def _read_block(shard, block) -> torch.Tensor:
     # Read from the device only when DCP resolves the item, as it writes it: one block at a time
     # is on the host.
     return numpy_to_torch(jax.device_get(shard.data)[block.inside])
+
+
+class _Pickled:
+    """A Python value pickled as DCP writes one (``stage``)."""
+
+    def __init__(self, fqn: str, value):
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+        except Exception as e:
+            raise CheckpointError(
+                f"Key {fqn!r}: the value ({type(value).__name__}) cannot be pickled, so it cannot "
+                f"be saved ({type(e).__name__}: {e}). Leave it out of the state, or save what "
+                f"rebuilds it.", key=fqn) from e
+        self.data = buffer.getvalue()
+
+    def stream(self) -> io.BytesIO:
+        return io.BytesIO(self.data)
 
 
 class _HostBlocks:

@@ -111,10 +111,11 @@ def match_saved_state(state: dict, targets: dict, metadata) -> None:
 
     - state a parameter has after priming but not in the checkpoint (it had no gradient yet when
       saved) is left out, so the load leaves it without state, as ``opt.load_state_dict`` does;
-    - entries the checkpoint holds that priming does not create (LBFGS's search direction and
-      history, made by later steps) are added, as host tensors of the saved shape and dtype or
-      Python values, for ``optimizer.load_state_dict`` to place as it does a ``torch.load``-ed
-      state dict."""
+    - entries the checkpoint holds for a parameter that priming does not create (LBFGS's search
+      direction and history, made by later steps) are added, as host tensors of the saved shape
+      and dtype or Python values, for ``optimizer.load_state_dict`` to place as it does a
+      ``torch.load``-ed state dict. Parameters the optimizer does not have get nothing: their
+      entries stay extra, and ``check_state`` refuses the checkpoint before anything is read."""
     saved = metadata.state_dict_metadata
     paths = metadata.planner_data or {}
     # Every prefix of a saved key: "optim.state.2.mom.buf" holds "optim.state.2" (a parameter's
@@ -128,8 +129,12 @@ def match_saved_state(state: dict, targets: dict, metadata) -> None:
                 for pid in [p for p in per_param if f"{prefix}{key}.state.{p}" not in prefixes]:
                     del per_param[pid]
                 under = (*path, str(key), "state")
-                for fqn in sorted(fqn for fqn, p in paths.items() if p[:len(under)] == under):
-                    _add_missing(targets[key]["state"], paths[fqn][len(under):], saved[fqn])
+                ids = {str(pid): pid for pid in per_param}
+                for fqn in sorted(fqn for fqn, p in paths.items()
+                                  if p[:len(under)] == under and len(p) > len(under) + 1
+                                  and str(p[len(under)]) in ids):
+                    rest = paths[fqn][len(under):]
+                    _add_missing(per_param[ids[str(rest[0])]], rest[1:], saved[fqn])
             elif isinstance(value, dict):
                 match(value, targets[key], f"{prefix}{key}.", (*path, str(key)))
 
@@ -137,15 +142,15 @@ def match_saved_state(state: dict, targets: dict, metadata) -> None:
 
 
 def _add_missing(container, path: tuple, md) -> None:
-    """Puts a placeholder for a saved entry (``md``) at ``path`` inside ``container`` unless
-    something is there already (dicts and lists on the way are created)."""
+    """Puts a placeholder for a saved entry (``md``) at ``path`` inside ``container`` (one
+    parameter's state) unless something is there already (dicts and lists on the way are
+    created)."""
     for i, step in enumerate(path):
         last = i == len(path) - 1
         if isinstance(container, dict):
             key = next((k for k in container if str(k) == str(step)), None)
-            if key is None:  # DCP spells keys as strings; an optimizer's parameter ids are ints
-                key = int(step) if str(step).isdigit() and all(
-                    isinstance(k, int) for k in container) else step
+            if key is None:
+                key = step
                 container[key] = _placeholder(md) if last else \
                     ([] if isinstance(path[i + 1], int) else {})
             container = container[key]
