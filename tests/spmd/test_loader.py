@@ -180,15 +180,31 @@ def test_abandoned_iterator_stops_its_thread(mesh):
 
 def test_batches_of_any_structure(mesh):
     """Tuples, lists, namedtuples, dicts and mappings PyTorch's pytree does not know (a
-    tokenizer's BatchEncoding is a UserDict) all arrive with their tensors on the device."""
+    tokenizer's BatchEncoding is a UserDict: it keeps its type and attributes, as torch_xla's
+    loader keeps them; it became a dict, and batch.input_ids failed) all arrive with their
+    tensors on the device."""
     import collections
+
+    class Encoding(collections.UserDict):  # as transformers' BatchEncoding
+        def __init__(self, data, n_sequences):
+            super().__init__(data)
+            self.n_sequences = n_sequences
+
+        def __getattr__(self, name):
+            try:
+                return self.data[name]
+            except KeyError:
+                raise AttributeError(name) from None
 
     Pair = collections.namedtuple("Pair", "x y")
     spec = xs.ShardingSpec(mesh, ("data", None))
-    batch = {"pair": Pair(torch.ones(8, 2), [torch.zeros(8, 3), 5]),
-             "encoding": collections.UserDict(ids=torch.arange(16).reshape(8, 2)), "name": "b"}
+    encoding = Encoding({"ids": torch.arange(16).reshape(8, 2)}, n_sequences=1)
+    batch = {"pair": Pair(torch.ones(8, 2), [torch.zeros(8, 3), 5]), "encoding": encoding,
+             "name": "b"}
     got = xs.send_cpu_data_to_device(batch, input_sharding=spec)
     assert isinstance(got["pair"], Pair) and got["name"] == "b" and got["pair"].y[1] == 5
+    assert type(got["encoding"]) is Encoding and got["encoding"].n_sequences == 1
+    assert got["encoding"].ids is got["encoding"]["ids"] and encoding.ids.device.type == "cpu"
     for t in (got["pair"].x, got["pair"].y[0], got["encoding"]["ids"]):
         assert t.device == xshard.device()
         assert xs.get_sharding_spec(t).startswith("{devices=[4,1,2]")

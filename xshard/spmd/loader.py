@@ -239,12 +239,17 @@ def _materialize(batch):
 
 
 def _map_leaves(tree, kind, fn):
-    """``tree`` with ``fn`` applied to its leaves of type ``kind`` (PyTorch's pytree; a mapping
-    pytree does not know, such as a tokenizer's ``BatchEncoding``, becomes a dict; a dataclass is
+    """``tree`` with ``fn`` applied to its leaves of type ``kind`` (PyTorch's pytree; a
+    ``UserDict``, such as a tokenizer's ``BatchEncoding``, is copied with its new values, keeping
+    its type and attributes; another mapping pytree does not know becomes a dict; a dataclass is
     rebuilt field by field)."""
     def visit(x):
         if isinstance(x, kind):
             return fn(x)
+        if isinstance(x, collections.UserDict):
+            out = copy.copy(x)
+            out.data = {k: _map_leaves(v, kind, fn) for k, v in x.items()}
+            return out
         if isinstance(x, Mapping):
             return {k: _map_leaves(v, kind, fn) for k, v in x.items()}
         if _is_dataclass(x):  # field by field, rebuilt with dataclasses.replace
