@@ -293,36 +293,45 @@ class _LayerDrop(torch.nn.Module):
 
 
 @pytest.mark.parametrize("source", ["random", "numpy", "numpy generator in a closure",
-                                    "generator of a module"])
-def test_python_and_numpy_random_draws_are_refused(trained, source):
-    """A choice drawn from Python's or NumPy's generators was built into the program: every
-    replay took the first call's branch, where eager draws anew (a silent wrong answer). Refused,
-    naming the generator, which is put back as it was."""
+                                    "generator of a module", "torch generator argument"])
+def test_python_numpy_and_torch_cpu_random_draws_are_refused(trained, source):
+    """A choice drawn from Python's or NumPy's generators, or noise from a CPU torch.Generator
+    (seeded augmentation), was built into the program: every replay took the first call's draws,
+    where eager draws anew (a silent wrong answer). Refused, naming the generator, which is put
+    back as it was."""
     model, opt, x, y = trained
     rng = np.random.default_rng(0)
     drop = _LayerDrop(model.fc1, random.Random(0))
 
-    def step(x):
+    def step(x, gen=None):
         if source == "random":
             keep = random.random() < 0.5
         elif source == "numpy":
             keep = np.random.rand() < 0.5
         elif source == "numpy generator in a closure":
             keep = rng.random() < 0.5
+        elif source == "torch generator argument":
+            return model.fc1(x + torch.randn(x.shape, generator=gen).to(x.device))
         else:
             return drop(x)
         return model.fc1(x) if keep else x
 
+    torch_gen = torch.Generator().manual_seed(0)
     generator = {"random": random.random.__self__, "numpy": np.random.rand.__self__,
-                 "numpy generator in a closure": rng, "generator of a module": drop.rng}[source]
-    before = copy.deepcopy(generator)
+                 "numpy generator in a closure": rng, "generator of a module": drop.rng,
+                 "torch generator argument": torch_gen}[source]
+    draw = (lambda g: torch.rand(1, generator=g).item()) if source.startswith("torch") else \
+        (lambda g: g.random())
+    before = copy.deepcopy(generator) if not source.startswith("torch") else \
+        torch.Generator().set_state(torch_gen.get_state())
     named = {"random": "Python's random module", "numpy": "NumPy's global generator",
              "numpy generator in a closure": "the generator closure variable 'rng'",
-             "generator of a module": "the generator _LayerDrop.rng"}[source]
+             "generator of a module": "the generator _LayerDrop.rng",
+             "torch generator argument": "the generator argument 1"}[source]
     with pytest.raises(StateError, match=rf"draws random numbers from {named}.*on the device"):
-        xshard.compile(step)(x)
-    assert generator.random() == before.random()  # put back as it was
-    step(x)  # the lazy path still runs it
+        xshard.compile(step)(x, torch_gen)
+    assert draw(generator) == draw(before)  # put back as it was
+    step(x, torch_gen)  # the lazy path still runs it
 
 
 def test_number_used_as_a_number(trained):

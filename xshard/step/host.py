@@ -120,12 +120,20 @@ def changed(tensors) -> str | None:
 # ``np.random.randint`` for a crop) draws once, when it is recorded: the numbers become constants
 # of the program, and every replay repeats the first call's choice where eager draws anew. So the
 # recording compares the states of the generators the step can reach (the global ones of
-# ``random`` and ``numpy.random``, and each ``random.Random``, ``np.random.Generator`` or
-# ``RandomState`` among the objects it reaches) before and after, and refuses a step that moved
-# one, putting the generator back. Device draws (``torch.rand(..., device=x.device)``) are the
-# replacement: a compiled step draws them anew on every call.
+# ``random`` and ``numpy.random``, and each ``random.Random``, ``np.random.Generator``,
+# ``RandomState`` or CPU ``torch.Generator`` among the objects it reaches, as seeded augmentation
+# keeps one) before and after, and refuses a step that moved one, putting the generator back
+# (torch's global CPU generator is checked by the recorder itself). Device draws
+# (``torch.rand(..., device=x.device)``) are the replacement: a compiled step draws them anew on
+# every call.
 
-_GENERATORS = (random.Random, np.random.Generator, np.random.RandomState)
+_GENERATORS = (random.Random, np.random.Generator, np.random.RandomState, torch.Generator)
+
+
+def _watched(obj) -> bool:
+    if isinstance(obj, torch.Generator):
+        return obj.device.type == "cpu" and obj is not torch.default_generator
+    return isinstance(obj, _GENERATORS)
 
 
 def _generator_state(g):
@@ -133,6 +141,8 @@ def _generator_state(g):
         return g.getstate()
     if isinstance(g, np.random.Generator):
         return g.bit_generator.state
+    if isinstance(g, torch.Generator):
+        return g.get_state()
     return g.get_state(legacy=False)
 
 
@@ -150,6 +160,8 @@ def _same_state(a, b) -> bool:
         return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
     if isinstance(a, np.ndarray):
         return np.array_equal(a, b)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
     return a == b
 
 
@@ -166,7 +178,7 @@ class Generators:
                     np.random.rand.__self__)]
         seen = {id(g) for _, g in watched}
         for name, obj in reached:
-            if isinstance(obj, _GENERATORS) and id(obj) not in seen:
+            if _watched(obj) and id(obj) not in seen:
                 seen.add(id(obj))
                 watched.append((f"the generator {name}", obj))
         self.states = [(name, g, _generator_state(g)) for name, g in watched]
