@@ -135,13 +135,10 @@ class SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def _device_items(self, fqn: str, t: torch.Tensor) -> list[WriteItem]:
-        if api.is_view(t):  # a view has no array of its own; save a copy of its values
-            t = t.clone()
-        array = api.array(t)
-        shape = tuple(t.shape)
+        pairs = _blocks_to_write(t)
         blocks = [(block.chunk, functools.partial(_read_block, shard, block))
-                  for block, shard in layout.blocks_to_write(array, shape)]
-        return self._shard_items(fqn, shape, t.dtype, blocks)
+                  for block, shard in pairs]
+        return self._shard_items(fqn, tuple(t.shape), t.dtype, blocks)
 
     def _staged_items(self, fqn: str, staged: "_HostBlocks") -> list[WriteItem]:
         blocks = [(chunk, lambda data=data: data) for chunk, data in staged.blocks]
@@ -164,6 +161,13 @@ class SavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         source = self._sources.get(write_item.index)
         return super().resolve_data(write_item) if source is None else source()
+
+
+def _blocks_to_write(t: torch.Tensor) -> list:
+    """The (block, shard) pairs of device tensor ``t`` this process writes."""
+    if api.is_view(t):  # a view has no array of its own; save a copy of its values
+        t = t.clone()
+    return layout.blocks_to_write(api.array(t), tuple(t.shape))
 
 
 def _read_block(shard, block) -> torch.Tensor:
@@ -194,10 +198,8 @@ class _HostBlocks:
     """A device tensor's blocks that this process writes, copied to host memory (``stage``)."""
 
     def __init__(self, t: torch.Tensor):
-        if api.is_view(t):  # a view has no array of its own; save a copy of its values
-            t = t.clone()
         self.shape, self.dtype = tuple(t.shape), t.dtype
-        pairs = layout.blocks_to_write(api.array(t), self.shape)
+        pairs = _blocks_to_write(t)
         hosts = jax.device_get([shard.data for _, shard in pairs])  # one transfer for all
         self.blocks = [(block.chunk, numpy_to_torch(host[block.inside]))
                        for (block, _), host in zip(pairs, hosts)]
