@@ -74,7 +74,7 @@ def spec_of(obj):
         node = api.storage_value(api.storage(obj))
         return ("tensor", tuple(obj.shape), obj.dtype, obj.requires_grad, api.is_view(obj),
                 tuple(node.shape), node.sharding if node.op is _DATA else "pending",
-                api.annotation(obj))
+                api.annotation(obj), obj.grad_fn is not None)
     if isinstance(obj, torch.Tensor):
         return ("host tensor", tuple(obj.shape), obj.dtype, id(obj), obj._version)
     return ("value", Exact(obj))
@@ -123,10 +123,12 @@ def describe(spec) -> str:
     if spec is None:
         return "None"
     if spec[0] == "tensor":
-        _, shape, dtype, grad, view, _, sharding, annotation = spec
+        _, shape, dtype, grad, view, _, sharding, annotation, history = spec
         text = f"tensor{list(shape)} {str(dtype).replace('torch.', '')}"
         if grad:
             text += " requires_grad"
+        if history:
+            text += " (with autograd history)"
         if view:
             text += " (a view)"
         if annotation is not None:
@@ -140,7 +142,7 @@ def describe(spec) -> str:
 
 
 _LABELS = ("", "shape", "dtype", "requires_grad", "view", "storage shape", "sharding",
-           "annotation")
+           "annotation", "autograd history")
 
 
 def difference(name: str, old, new) -> str:
@@ -262,6 +264,7 @@ class Program:
         self.flag_modules: list = []
         self.flag_values: list = []
         self.flags_after: list = []  # (module, training) the step sets
+        self.arg_flags_after: list = []  # (ArgSlot, requires_grad) the step sets
         self.settings_after: list = []  # (dict, key, value): Python settings the step sets
         self.groups: list = []  # (optimizer, hyper-parameters per group)
         # Each module's Python settings: (its __dict__, name), their values, types and names.
@@ -287,9 +290,9 @@ class Program:
         self.constant_storages: list = []
         # The same for the CPU tensors the step read (see [Note: host tensors a step reads]).
         self.host_tensors: list = []
-        # Slots holding a parameter when the step was recorded: slot -> that parameter. Its
-        # gradient and optimizer state were found through the object, so another one there is
-        # another program.
+        # Slots holding a parameter (or a loose leaf tensor requiring grad: see state_slots)
+        # when the step was recorded: slot -> that tensor. Its gradient and optimizer state were
+        # found through the object, so another one there is another program.
         self.parameters: dict = {}
         # Slots whose form after the step differs from the form the step reads (the first step
         # creates optimizer state): the guard never takes their objects on trust.
@@ -747,6 +750,8 @@ class Program:
             self.expect[i] = _UNSTEADY
         for module, training in self.flags_after:
             module.training = training
+        for slot, flag in self.arg_flags_after:
+            slot.get().requires_grad_(flag)
         for container, key, value in self.settings_after:
             container[key] = value
         treedef, returns = self.returns
@@ -839,8 +844,10 @@ class Program:
         for i, s in enumerate(self.slots):
             if not isinstance(s, st.ArgSlot):
                 self.adopt(i, s.get())
+        owners = {id(s.param) for s in self.slots if isinstance(s, st.GradSlot)}
         self.parameters = {i: self.expect[i] for i, s in enumerate(self.slots)
-                           if s.key[0] in ("param", "group_param") and self.expect[i] is not None}
+                           if s.key[0] in ("param", "group_param", "cell", "entry")
+                           and self.expect[i] is not None and id(self.expect[i]) in owners}
         # Hooks on a parameter's gradient (``p.register_hook``, post-accumulate-grad hooks) ran
         # while the step was recorded: one registered or removed since is another program.
         self.hook_owners = list({id(p): p for p in self.parameters.values()}.values())

@@ -161,8 +161,10 @@ class Recording:
             slot = st.ArgSlot(i, args.name(i))
             slot.leaves = leaves
             arg_slots.append(slot)
-        slots = arg_slots + st.state_slots(roots)
+        slots = st.state_slots(roots)
+        slots = arg_slots + slots + _arg_grad_slots(arg_slots, leaves, slots)
         entry = [s.get() for s in slots]
+        arg_flags = [leaves[s.index].requires_grad for s in arg_slots]
         specs = [spec_of(o) for o in entry]
         self._refuse_partial_sums(slots, entry)
         self._share_equal_scalars(slots, entry, compiled.unjoined)
@@ -231,6 +233,8 @@ class Recording:
             program.flags_after = [(m, m.training) for m, v in zip(program.flag_modules,
                                                                    program.flag_values)
                                    if m.training != v]
+            program.arg_flags_after = [(s, not v) for s, v in zip(arg_slots, arg_flags)
+                                       if leaves[s.index].requires_grad is not v]
             exits = [s.get() for s in all_slots]
             _record_settings(program, roots, settings, before)
             # _plan drops the result once it has read it: whatever its autograd graph keeps alive
@@ -264,14 +268,14 @@ class Recording:
         return program, result
 
     def _quarantine_returned_elsewhere(self) -> None:
-        """A tensor the step returned that something else still holds (``x.grad`` of an argument
-        that requires grad, a list): its recorded value stays pending on inputs the program may
+        """A tensor the step returned that something else still holds (a list, an attribute of an
+        object that is not state): its recorded value stays pending on inputs the program may
         have consumed, and a replay returns a new tensor without updating it. Reading it raises,
         and a sync leaves it out (it made the next call's sync fail on a deleted array)."""
         pending = {id(s) for s in api.pending_storages()}
         error = StateError(
             f"this tensor was returned by xshard.compile({self.compiled.name}) and is also held "
-            f"elsewhere (an argument's .grad, a list); a compiled step returns a new tensor on "
+            f"elsewhere (a list, an attribute); a compiled step returns a new tensor on "
             f"each call and does not update this one. Use the tensor the call returned.")
         for ref in self.returned:
             storage = ref()
@@ -327,11 +331,20 @@ class Recording:
         """View and CPU tensor arguments are passed by value (copies, see compiled.Arguments):
         refused when the step writes one (or, for a view, the storage it views through another
         argument or the state), since eager would see the write through the view (or the base),
-        or in the CPU tensor."""
+        or in the CPU tensor; and when the step fills the copy's gradient."""
         def written(cell):
             w = wrapped.get(id(cell))
             return w is not None and api.storage_value(cell) is not w[2]
 
+        for i in sorted(self.args.hosts | set(self.args.views)):
+            if leaves[i].grad is not None:
+                what = "a CPU tensor" if i in self.args.hosts else "a view of another tensor"
+                raise StateError(
+                    f"xshard.compile({self.compiled.name}): {self.args.name(i)} is {what} that "
+                    f"requires grad, and the step's backward() fills its gradient. A compiled "
+                    f"step takes such an argument as a copy, so the gradient would not reach "
+                    f"it. Pass it as a device tensor of its own (t.detach().to(xshard.device())"
+                    f".requires_grad_()), or run this step without xshard.compile.")
         for i in sorted(self.args.hosts):
             if written(api.storage(leaves[i])):
                 raise StateError(
@@ -358,7 +371,8 @@ class Recording:
         apart; joined again, each call would record the step again."""
         first = {}
         for slot, obj in zip(slots, entry):
-            if isinstance(slot, st.ArgSlot) or not api.is_device_tensor(obj) or obj.dim() != 0 \
+            if isinstance(slot, (st.ArgSlot, st.ArgGradSlot)) or not api.is_device_tensor(obj) \
+                    or obj.dim() != 0 \
                     or api.is_view(obj) or slot.key in unjoined:
                 continue
             storage = api.storage(obj)
@@ -784,6 +798,16 @@ class Recording:
                 inputs.append(("constant", value, number))
         program.inputs = inputs
         _guard_constants(program, graph)
+
+
+def _arg_grad_slots(arg_slots, leaves, state_slots) -> list:
+    """``.grad`` of each floating-point tensor argument (``backward()`` fills it when the argument
+    requires grad, or the step makes it), but of one the state holds as a parameter (``step(w)``
+    for ``model.w``), whose gradient slot the state has."""
+    params = {s.key[1] for s in state_slots if s.key[0] == "grad"}
+    return [st.ArgGradSlot(s) for s in arg_slots
+            if (leaves[s.index].is_floating_point() or leaves[s.index].is_complex())
+            and id(leaves[s.index]) not in params]
 
 
 def _placed_inputs(shardings) -> list:

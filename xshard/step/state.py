@@ -207,6 +207,22 @@ class ArgSlot(Slot):
         self.leaves[self.index] = value
 
 
+class ArgGradSlot(Slot):
+    """``.grad`` of the tensor argument ``arg`` holds in the current call: ``backward()`` in the
+    step fills it for an argument that requires grad, as in eager."""
+
+    __slots__ = ("arg",)
+
+    def __init__(self, arg: ArgSlot):
+        self.key, self.name, self.arg = ("arg_grad", arg.index), f"{arg.name}.grad", arg
+
+    def get(self):
+        return self.arg.get().grad
+
+    def set(self, value) -> None:
+        self.arg.get().grad = value
+
+
 # -- roots ----------------------------------------------------------------------------------------
 
 
@@ -820,15 +836,18 @@ def state_slots(roots: Roots) -> list[Slot]:
                     name = f"optimizer{o}.param_groups[{g}]['params'][{i}]"
                     slots.append(GroupParamSlot(("group_param", id(opt), g, i), name, opt, g, i))
                     params[id(p)] = (p, name)
-    for cell, name in roots.cells:
-        slots.append(CellSlot(("cell", id(cell)), name, cell))
-    for t, name in roots.tensors:
-        slots.append(HeldSlot(("held", id(t)), name, t))
-        if t.requires_grad and id(t) not in params:
-            params[id(t)] = (t, name)
-    for container, key, name in roots.entries:
-        kind = DictSlot if isinstance(container, dict) else ItemSlot
-        slots.append(kind(("entry", id(container), key), name, container, key))
+    loose = [CellSlot(("cell", id(cell)), name, cell) for cell, name in roots.cells]
+    loose += [HeldSlot(("held", id(t)), name, t) for t, name in roots.tensors]
+    loose += [(DictSlot if isinstance(container, dict) else ItemSlot)(
+        ("entry", id(container), key), name, container, key)
+        for container, key, name in roots.entries]
+    for slot in loose:
+        # A leaf tensor that requires grad (``w`` of a functional-style step): backward() fills
+        # its gradient, as it does a parameter's.
+        t = slot.get()
+        if is_leaf_requiring_grad(t) and id(t) not in params:
+            params[id(t)] = (t, slot.name)
+    slots += loose
     for p, name in params.values():
         slots.append(GradSlot(("grad", id(p)), f"{name}.grad", p))
     for o, opt in enumerate(roots.optimizers):
@@ -839,6 +858,10 @@ def state_slots(roots: Roots) -> list[Slot]:
                                                 f"optimizer{o}.state[{name}][{entry!r}]", opt,
                                                 p, entry))
     return slots
+
+
+def is_leaf_requiring_grad(obj) -> bool:
+    return api.is_device_tensor(obj) and obj.requires_grad and obj.grad_fn is None
 
 
 def merge_slots(first: list[Slot], second: list[Slot]) -> list[Slot]:
