@@ -275,6 +275,34 @@ def _fused_adagrad_with_steps(*args, **kwargs):
     return _fused_adagrad(*args, **kwargs) + (list(args[3]),)
 
 
+def _weight_norm_interface_backward(grad_w, v, g, norms, dim):
+    """The gradients of ``w = v * (g / norms)`` (norms of ``v`` over every dim but ``dim``), as
+    ATen's CPU kernel computes them: per slice, ``s = sum(grad_w * v)``; ``grad_g = s / norm``;
+    ``grad_v = (g / norm) * (grad_w - v * (s / norm**2))``; 16-bit inputs in float32. The
+    forward decomposes (PyTorch's decomposition); its backward has none (it ran on the CPU
+    fallback: ``nn.utils.parametrizations.weight_norm`` in training)."""
+    dim = dim % v.dim() if v.dim() else 0
+    others = [d for d in range(v.dim()) if d != dim]
+    math = _opmath(v)
+    gw, vv, gg, n = (t.to(math) for t in (grad_w, v, g, norms))
+    s = (gw * vv).sum(dim=others, keepdim=True)
+    grad_g = s / n
+    grad_v = (gg / n) * (gw - vv * (s / (n * n)))
+    return grad_v.to(v.dtype), grad_g.to(g.dtype)
+
+
+def _embedding_renorm(weight, indices, max_norm: float, norm_type: float):
+    """``nn.Embedding(max_norm=)``'s renormalisation, as ATen's CPU kernel does it: each row an
+    index names (once, however many times it is named) whose ``norm_type``-norm exceeds
+    ``max_norm`` is scaled by ``max_norm / (norm + 1e-7)``; the other rows are left as they
+    are. (It ran on the CPU fallback, and refused xshard.compile.)"""
+    norms = torch.linalg.vector_norm(weight.to(_opmath(weight)), norm_type, dim=-1)
+    named = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    named = named.index_fill(0, indices.reshape(-1), True)
+    scale = torch.where(named & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return weight * scale.to(weight.dtype).unsqueeze(-1)
+
+
 # By op: where PyTorch's decomposition differs from its eager CPU kernel, or it has none.
 DECOMPOSITIONS = {
     aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
@@ -300,4 +328,6 @@ DECOMPOSITIONS = {
     aten._fused_sgd.tensor_lr: _fused_sgd,
     aten._fused_adagrad.default: _fused_adagrad_with_steps,
     aten._fused_adagrad.tensor_lr: _fused_adagrad,
+    aten._weight_norm_interface_backward.default: _weight_norm_interface_backward,
+    aten.embedding_renorm.default: _embedding_renorm,
 }

@@ -11,6 +11,7 @@ from xshard.core.lowering.table import HALF_FLOATS, astype, keep_nan, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
+import jax.scipy.linalg  # noqa: E402
 from jax import lax  # noqa: E402
 
 aten = torch.ops.aten
@@ -168,3 +169,12 @@ def _polar(absolute, angle):
 @rule(aten.outer)
 def _outer(a, b):
     return jnp.outer(*promote(a, b))
+
+
+@rule(aten.linalg_matrix_exp)
+def _matrix_exp(a):
+    """``torch.linalg.matrix_exp`` (its backward too: autograd takes the exponential of a block
+    matrix). JAX's Pade approximant with scaling and squaring; PyTorch sums a Taylor polynomial
+    chosen by the norm; both are accurate to the dtype's rounding. Products at full precision."""
+    with jax.default_matmul_precision("highest"):
+        return jax.scipy.linalg.expm(a)

@@ -11,6 +11,7 @@ from xshard.core.lowering.table import np_dtype, rule
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -136,3 +137,25 @@ def _native_dropout_backward(grad, mask, scale):
     # float32), a dropped element times a negative scale is -0.0.
     grad = promote(grad, scale)[0]
     return grad * mask.astype(grad.dtype) * jnp.asarray(scale, grad.dtype)
+
+
+@rule(aten.multinomial.default)
+def _multinomial(probs, num_samples, replacement=False, _key=None, **kwargs):
+    """``num_samples`` category indices per row of ``probs`` (weights, not necessarily summing to
+    one), drawn with replacement (a categorical draw per sample), or without (the Gumbel top-k
+    trick: the ``num_samples`` largest ``log p + Gumbel noise`` are a draw without replacement).
+    A category of weight 0 is never drawn; eager raises where the rows have fewer categories of
+    weight > 0 than ``num_samples`` without replacement, or a negative, infinite or NaN weight,
+    which a device cannot check without reading the weights back (see the README's Known
+    limits)."""
+    dt = probs.dtype if probs.dtype == np.float64 else np.float32
+    logits = jnp.log(probs.astype(dt))
+    key = _key_of(_key)
+    if replacement:
+        batch = logits.shape[:-1]
+        draws = jax.random.categorical(key, logits, axis=-1, shape=(num_samples, *batch))
+        out = jnp.moveaxis(draws, 0, -1)
+    else:
+        noisy = logits + jax.random.gumbel(key, logits.shape, dt)
+        out = lax.top_k(noisy, num_samples)[1]
+    return out.astype(np.int64)
