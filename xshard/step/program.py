@@ -280,6 +280,7 @@ class Program:
         self.bindings: list = []
         self.bound: list = []
         self.binding_names: list = []
+        self._bound: set = set()  # (id(container), key) of each binding
         self.held: list = []  # the entries (a dict's values view, or the list itself)
         self.held_values: list = []  # all of them, flat
         self.held_names: list = []  # (name, how many entries it had)
@@ -460,6 +461,9 @@ class Program:
         return api.storage_value(cell)
 
     def bind(self, container, key, name: str) -> None:
+        if (id(container), key) in self._bound:  # reached through several paths
+            return
+        self._bound.add((id(container), key))
         self.bindings.append((container, key))
         self.bound.append(container.get(key, _MISSING))
         self.binding_names.append(name)

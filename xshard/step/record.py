@@ -172,7 +172,9 @@ class Recording:
         program.grad_enabled = torch.is_grad_enabled()
         program.default_dtype = torch.get_default_dtype()
         program.autocast = autocast_state()
-        program.flag_modules = [m for root in roots.modules for m in root.modules()]
+        # Each module once (an FSDP unit is a root of its own, and a submodule of the model).
+        program.flag_modules = list({id(m): m for root in roots.modules
+                                     for m in root.modules()}.values())
         program.flag_values = [m.training for m in program.flag_modules]
         program.groups = [(opt, optim_support.hyperparameters(opt)) for opt in roots.optimizers]
         program.optimizers = list(roots.optimizers)
