@@ -3,7 +3,7 @@
 [Note: the random stream]
 Like CUDA's Philox generator (a seed and an offset), the stream's state is two host integers: the
 seed and the number of random ops drawn since seeding. Each random op gets a ``RNG_KEY`` node whose
-inputs are that seed and that count as scalar graph inputs; its lowering folds them into a threefry
+inputs are that seed and that count as scalar graph inputs; its lowering hashes them into a threefry
 key. So
 
 - a training step with dropout draws a new mask every step from the same executable (the counter
