@@ -304,3 +304,38 @@ def test_optimizer_state_of_parameters_the_optimizer_lacks_is_refused(tmp_path):
                                                  "to load into lacks"):
         xcp.load({"optim": small}, tmp_path / "ckpt")
     assert_same(snapshot(small.state_dict()), before)
+
+
+def test_mixed_precision_buffers_load_under_any_buffer_dtype(tmp_path):
+    """FSDP's ``MixedPrecision(buffer_dtype=bfloat16)`` keeps BatchNorm's running stats in
+    bfloat16; a checkpoint holds them in the dtype they had (float32, as ``FSDP.state_dict``), so
+    it loads into a model without mixed precision and back (it failed on the dtype)."""
+    from xshard.fsdp import MixedPrecision
+
+    def net(mp):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        with torch.no_grad():
+            module[1].running_mean.uniform_()
+            module[1].running_var.uniform_(1, 2)
+        return FSDP(module, mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16)
+                    if mp else None)
+
+    low = net(mp=True)
+    assert low[1].running_mean.dtype == torch.bfloat16
+    full = low.state_dict()
+    xcp.save({"model": low}, tmp_path / "low")
+    plain = net(mp=False)
+    with torch.no_grad():
+        plain[1].running_mean.zero_()
+    xcp.load({"model": plain}, tmp_path / "low")
+    assert plain[1].running_mean.dtype == torch.float32
+    assert_same(model_state(plain), full)
+    # And back: a float32 checkpoint into bfloat16 buffers.
+    with torch.no_grad():
+        plain[1].running_var.fill_(3.0)
+    xcp.save({"model": plain}, tmp_path / "plain")
+    xcp.load({"model": low}, tmp_path / "plain")
+    assert low[1].running_var.dtype == torch.bfloat16
+    assert (low[1].running_var.cpu() == 3.0).all()
+    assert_same(model_state(low)["1.running_mean"].float(), full["1.running_mean"])

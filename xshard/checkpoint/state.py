@@ -90,6 +90,9 @@ def to_state_dicts(state, *, prime: bool) -> dict:
     for key, value in state.items():
         if isinstance(value, nn.Module):
             out[key] = nn.Module.state_dict(value)
+            for name, buffer, dtype in _cast_buffers(value):
+                if name in out[key]:
+                    out[key][name] = buffer.detach().to(dtype)
         elif isinstance(value, torch.optim.Optimizer):
             out[key] = (prime_optimizer(value) if prime else value).state_dict()
         elif isinstance(value, dict):
@@ -98,6 +101,20 @@ def to_state_dicts(state, *, prime: bool) -> dict:
             out[key] = value.state_dict()
         else:
             out[key] = value
+    return out
+
+
+def _cast_buffers(module: nn.Module) -> list:
+    """``(state dict key, buffer, dtype)`` of each buffer FSDP's ``MixedPrecision(buffer_dtype=)``
+    keeps in another dtype than it had: a checkpoint holds it in the dtype it had (as
+    ``FSDP.state_dict`` and PyTorch's FSDP do), so it loads under any mixed-precision setting."""
+    out = []
+    for prefix, m in module.named_modules():
+        dtypes = getattr(m, "_fsdp_buffer_dtypes", None)
+        if dtypes:
+            own = dict(m.named_buffers())
+            out += [(f"{prefix}.{name}" if prefix else name, own[name], dtype)
+                    for name, dtype in dtypes.items() if name in own]
     return out
 
 
@@ -181,6 +198,10 @@ def write_back(state: dict, loaded: dict) -> None:
             # needs its load_state_dict.
             if any(not isinstance(v, torch.Tensor) for v in new.values()):
                 nn.Module.load_state_dict(value, new)
+            with torch.no_grad():  # loaded into copies in the dtype they had: cast back
+                for name, buffer, _ in _cast_buffers(value):
+                    if name in new:
+                        buffer.copy_(new[name])
         elif isinstance(value, torch.optim.Optimizer):
             value.load_state_dict(new)
         elif isinstance(value, dict):
