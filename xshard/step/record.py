@@ -374,8 +374,7 @@ class Recording:
         first = {}
         for slot, obj in zip(slots, entry):
             if isinstance(slot, (st.ArgSlot, st.ArgGradSlot)) or not api.is_device_tensor(obj) \
-                    or obj.dim() != 0 \
-                    or api.is_view(obj) or slot.key in unjoined:
+                    or obj.dim() != 0 or api.is_view(obj) or slot.key in unjoined:
                 continue
             storage = api.storage(obj)
             node = api.storage_value(storage)
