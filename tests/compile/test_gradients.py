@@ -197,3 +197,28 @@ def test_returned_tensor_kept_in_a_list():
     assert all(torch.isfinite(loss.cpu()) for loss in losses)
     with pytest.raises(StateError, match="Use the tensor the call returned"):
         history[0].cpu()
+
+
+def test_views_returned_under_inference_mode_are_normal_tensors():
+    """A replay called under ``torch.inference_mode`` returns views of state (``buf[1:3]``) as
+    eager does: views of a normal tensor are normal tensors, which may be written in place
+    afterwards (they were inference tensors: "Inplace update to inference tensor")."""
+    def run(device, compiled):
+        torch.manual_seed(0)
+        w = torch.randn(4, 3).to(device)
+        buf = torch.zeros(4, 3).to(device)
+
+        def step(x):
+            buf.add_(x.sum() * w)
+            return buf[1:3], buf.t()
+
+        fn = xshard.compile(step, state=[buf]) if compiled else step
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            with torch.inference_mode():
+                rows, t = fn(torch.randn(2, generator=g).to(device))
+            assert not rows.is_inference() and not t.is_inference()
+            rows.mul_(0.5)
+        return buf.cpu()
+
+    _close(run("cpu", False), run(DEV, True))

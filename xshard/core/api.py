@@ -21,7 +21,7 @@ import torch
 
 from xshard.core import capture, cells, compiler, execute, ir, padding, placement, transfer
 from xshard.core.backend import DEVICE_TYPE
-from xshard.core.tensor import XTensor, new_base
+from xshard.core.tensor import XTensor, _view_tensor, new_base
 
 __all__ = ["XTensor", "DEVICE_TYPE", "is_device_tensor", "value", "write", "is_view", "storage",
            "annotation", "set_annotation", "new_tensor", "alias", "view_spec", "view_of",
@@ -91,7 +91,7 @@ def view_spec(t: XTensor):
 def view_of(base: XTensor, spec) -> XTensor:
     """The view described by ``spec`` (from ``view_spec``) of ``base``'s storage."""
     chain, shape, stride, dtype, offset = spec
-    return XTensor(base._cell, chain, shape, stride, dtype, storage_offset=offset)
+    return _view_tensor(base, chain, shape, stride, dtype, offset)
 
 
 def settled(t: XTensor) -> bool:
