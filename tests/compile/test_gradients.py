@@ -71,17 +71,20 @@ def test_argument_gradient(case, caplog):
         assert fn.traces == 1
 
 
-def test_argument_with_autograd_history_at_a_replay():
-    """An argument with autograd history is refused at a replay as at the recording (a replay
-    would not backpropagate into the graph that made it: ``a.grad`` stayed None)."""
-    w = torch.nn.Parameter(torch.randn(4, 3).to(DEV))
-
+def _backward_step(w):
+    """``xshard.compile`` of a step that backpropagates ``(x @ w).sum()``."""
     def step(x):
         loss = (x @ w).sum()
         loss.backward()
         return loss
 
-    fn = xshard.compile(step)
+    return xshard.compile(step)
+
+
+def test_argument_with_autograd_history_at_a_replay():
+    """An argument with autograd history is refused at a replay as at the recording (a replay
+    would not backpropagate into the graph that made it: ``a.grad`` stayed None)."""
+    fn = _backward_step(torch.nn.Parameter(torch.randn(4, 3).to(DEV)))
     for _ in range(2):
         fn(torch.randn(2, 4).to(DEV).requires_grad_())
     a = torch.randn(2, 4).to(DEV).requires_grad_()
@@ -93,13 +96,7 @@ def test_argument_with_autograd_history_at_a_replay():
 def test_cpu_argument_requiring_grad_is_refused():
     """A CPU argument is passed as a device copy: its gradient would not reach it."""
     w = torch.nn.Parameter(torch.randn(4, 3).to(DEV))
-
-    def step(x):
-        loss = (x @ w).sum()
-        loss.backward()
-        return loss
-
-    fn = xshard.compile(step)
+    fn = _backward_step(w)
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(StateError, match=r"argument 0 is a CPU tensor that requires grad.*"
                                          r"requires_grad_\(\)"):

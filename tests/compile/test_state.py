@@ -258,7 +258,9 @@ def test_checkpointed_fsdp_units_with_dropout():
         run_step = step if compiled else step.fn
         torch.manual_seed(1)
         losses.append([float(run_step(x.to(DEV), y.to(DEV)).item()) for x, y in data])
-    assert losses[0] == losses[1]
+    # The same masks (other masks change a loss by ~1e-2); the two programs may round an op
+    # apart (1 ulp).
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6, abs=0)
     assert step.traces == 2
 
 

@@ -86,22 +86,23 @@ def test_matrix_exp_and_gradient(dtype):
     assert_same(d.grad, leaf.grad, **tol)
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0])
-def test_embedding_max_norm(norm_type):
+@pytest.mark.parametrize("norm_type,dtype", [(2.0, torch.float32), (1.0, torch.float32),
+                                              (2.0, torch.bfloat16)])
+def test_embedding_max_norm(norm_type, dtype):
     """``nn.Embedding(max_norm=)`` renormalises, in place, the rows its input names (each once)
     whose norm exceeds ``max_norm``; the rows it does not name keep theirs."""
     torch.manual_seed(0)
-    cpu = nn.Embedding(10, 4, max_norm=1.0, norm_type=norm_type)
+    cpu = nn.Embedding(10, 4, max_norm=1.0, norm_type=norm_type).to(dtype)
     with torch.no_grad():
         cpu.weight.mul_(3)
         cpu.weight[7] *= 0.05  # a named row under the limit
     dev = copy.deepcopy(cpu).to(DEV)
     idx = torch.tensor([[1, 2, 2], [7, 9, 1]])
     expected = cpu(idx)
-    (expected * torch.arange(4.0)).sum().backward()
+    (expected * torch.arange(4.0, dtype=dtype)).sum().backward()
     with counting() as delta:
         out = dev(idx.to(DEV))
-        (out * torch.arange(4.0).to(DEV)).sum().backward()
+        (out * torch.arange(4.0, dtype=dtype).to(DEV)).sum().backward()
         xshard.sync()
     _no_fallback(delta)
     assert_same(out, expected.detach(), rtol=1e-6, atol=1e-6)

@@ -296,7 +296,9 @@ def _embedding_renorm(weight, indices, max_norm: float, norm_type: float):
     index names (once, however many times it is named) whose ``norm_type``-norm exceeds
     ``max_norm`` is scaled by ``max_norm / (norm + 1e-7)``; the other rows are left as they
     are. (It ran on the CPU fallback, and refused xshard.compile.)"""
+    # As eager's: the norm in the weight's dtype, the scale in float64, rounded to that dtype.
     norms = torch.linalg.vector_norm(weight.to(_opmath(weight)), norm_type, dim=-1)
+    norms = norms.to(weight.dtype).to(torch.float64)
     named = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
     named = named.index_fill(0, indices.reshape(-1), True)
     scale = torch.where(named & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
