@@ -144,10 +144,9 @@ def _multinomial(probs, num_samples, replacement=False, _key=None, **kwargs):
     """``num_samples`` category indices per row of ``probs`` (weights, not necessarily summing to
     one), drawn with replacement (a categorical draw per sample), or without (the Gumbel top-k
     trick: the ``num_samples`` largest ``log p + Gumbel noise`` are a draw without replacement).
-    A category of weight 0 is never drawn; eager raises where the rows have fewer categories of
-    weight > 0 than ``num_samples`` without replacement, or a negative, infinite or NaN weight,
-    which a device cannot check without reading the weights back (see the README's Known
-    limits)."""
+    A category of weight 0 is drawn only once no other is left (without replacement), where
+    eager raises, as it does for a negative, infinite or NaN weight: a device cannot check them
+    without reading the weights back (see the README's Known limits)."""
     dt = probs.dtype if probs.dtype == np.float64 else np.float32
     logits = jnp.log(probs.astype(dt))
     key = _key_of(_key)
