@@ -39,28 +39,37 @@ def test_weight_norm_training(dim, dtype):
         assert_same(a.grad, b.grad, **tol), name
 
 
+def _train(make_model, make_optimizer, loss_of, inputs, device, compiled):
+    """Losses and parameters (on CPU) after one training step per input, eagerly or under
+    xshard.compile."""
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    opt = make_optimizer(model.parameters())
+
+    def step(x):
+        loss = loss_of(model(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    fn = xshard.compile(step) if compiled else step
+    losses = [fn(x.to(device)).item() for x in inputs]
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
 def test_weight_norm_compiled_step():
     """A training step of a weight-normalised model under xshard.compile (it refused the step:
     no lowering for the backward), equal to eager over a few steps."""
-    def run(device, compiled):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(6, 8)), nn.Tanh(),
-                              nn.utils.parametrizations.weight_norm(nn.Linear(8, 2))).to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    def model():
+        return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(6, 8)), nn.Tanh(),
+                             nn.utils.parametrizations.weight_norm(nn.Linear(8, 2)))
 
-        def step(x):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        fn = xshard.compile(step) if compiled else step
-        g = torch.Generator().manual_seed(1)
-        losses = [fn(torch.randn(4, 6, generator=g).to(device)).item() for _ in range(4)]
-        return losses, [p.detach().cpu() for p in model.parameters()]
-
-    (la, pa), (lb, pb) = run("cpu", False), run(DEV, True)
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(4, 6, generator=g) for _ in range(4)]
+    run = [_train(model, lambda p: torch.optim.Adam(p, lr=1e-2), lambda y: y.square().mean(),
+                  inputs, device, compiled) for device, compiled in (("cpu", False), (DEV, True))]
+    (la, pa), (lb, pb) = run
     assert lb == pytest.approx(la, rel=1e-5)
     for a, b in zip(pa, pb):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
@@ -111,26 +120,14 @@ def test_embedding_max_norm(norm_type, dtype):
 
 
 def test_embedding_max_norm_compiled():
-    def run(device, compiled):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(12, 4, max_norm=0.5), nn.Flatten(), nn.Linear(8, 1))
-        model.to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    def model():
+        return nn.Sequential(nn.Embedding(12, 4, max_norm=0.5), nn.Flatten(), nn.Linear(8, 1))
 
-        def step(idx):
-            loss = model(idx).square().sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        fn = xshard.compile(step) if compiled else step
-        g = torch.Generator().manual_seed(2)
-        losses = [fn(torch.randint(0, 12, (5, 2), generator=g).to(device)).item()
-                  for _ in range(4)]
-        return losses, model[0].weight.detach().cpu()
-
-    (la, wa), (lb, wb) = run("cpu", False), run(DEV, True)
+    g = torch.Generator().manual_seed(2)
+    inputs = [torch.randint(0, 12, (5, 2), generator=g) for _ in range(4)]
+    run = [_train(model, lambda p: torch.optim.SGD(p, lr=0.5), lambda y: y.square().sum(),
+                  inputs, device, compiled) for device, compiled in (("cpu", False), (DEV, True))]
+    (la, (wa, *_)), (lb, (wb, *_)) = run
     assert lb == pytest.approx(la, rel=1e-5)
     torch.testing.assert_close(wb, wa, rtol=1e-5, atol=1e-6)
 
