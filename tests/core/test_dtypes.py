@@ -153,6 +153,32 @@ def test_default_dtype_and_scalar_types():
         torch.set_default_dtype(prev)
 
 
+INTEGERS_TO_FLOAT = {
+    "div": lambda a: a / 3,
+    "div(7)": lambda a: a.div(7),
+    "sqrt": torch.sqrt,
+    "atan2": lambda a: torch.atan2(a, a + 2),
+    "sigmoid": torch.sigmoid,
+    "log1p": torch.log1p,
+    "where(c, 1.1, 2.2)": lambda a: torch.where(a > 1, 1.1, 2.2),
+}
+
+
+@pytest.mark.parametrize("op", INTEGERS_TO_FLOAT)
+def test_integers_to_default_float64_in_float64(op):
+    """Under ``torch.set_default_dtype(torch.float64)``, ops taking integers to the default float
+    dtype computed in float32 and cast the result to float64 (``int / 3`` differed from eager by
+    2e-8)."""
+    fn = INTEGERS_TO_FLOAT[op]
+    a = torch.tensor([1, 2, 5], dtype=torch.int64)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert_same(fn(a.to(DEV)), fn(a), rtol=1e-15, atol=0)  # float32's: 1e-8 apart
+    finally:
+        torch.set_default_dtype(prev)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_half_norms_accumulate_in_float32(dtype, p):

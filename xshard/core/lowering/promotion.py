@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from xshard.core import runtime
-from xshard.core.lowering.table import astype, is_weak, np_dtype
+from xshard.core.lowering.table import astype, float_dtype, is_weak, np_dtype
 
 jax = runtime.jax_module()
 import jax.numpy as jnp  # noqa: E402
@@ -47,7 +47,10 @@ def result_dtype(*xs):
             operands.append(torch.empty(shape, dtype=to_torch_dtype(x.dtype), device="meta"))
     _, dtype = elementwise_dtypes(
         *operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.NO_OPMATH)
-    return np_dtype(dtype)
+    dtype = np_dtype(dtype)
+    if _category(dtype) == _FLOAT and not any(isinstance(o, torch.Tensor) for o in operands):
+        return float_dtype()  # numbers alone: the default dtype's float, or Python's float64
+    return dtype
 
 
 def promote(*xs):
@@ -58,10 +61,10 @@ def promote(*xs):
 def promote_float(*xs):
     """``promote`` for ops that compute integers in float (true division, atan2, xlogy): each
     operand converted from its own dtype, as ATen does (``uint8 / -1`` divides by -1.0; converting
-    -1 to the promoted uint8 first would divide by 255). Default float dtype: float32."""
+    -1 to the promoted uint8 first would divide by 255). Integers: in ``float_dtype()``."""
     dtype = result_dtype(*xs)
     if _category(dtype) in (_BOOL, _INT):
-        dtype = np.dtype(np.float32)
+        dtype = float_dtype()
     return tuple(None if x is None else astype(jnp.asarray(x), dtype) for x in xs)
 
 
@@ -70,7 +73,8 @@ def _compute(x, dtype):
 
 
 def _float_like(x):
-    """Integers and bools computed in float, as PyTorch's unary float ops do (default float32)."""
+    """Integers and bools computed in float, as PyTorch's unary float ops do (in the default
+    dtype: ``float_dtype()``)."""
     if _category(x.dtype) in (_BOOL, _INT):
-        return astype(x, jnp.float32)
+        return astype(x, float_dtype())
     return x

@@ -43,7 +43,19 @@ def rule(*ops):
 # not divide (a sharding of it might be uneven), both are replicated first. Shapes that divide are
 # untouched (no cost in the usual training step); the rest pay one all-gather of their indices and
 # updates. tests/spmd/test_scatter.py has the cases, against eager.
-PROGRAM = {"replicated": None}  # the replicated sharding of the program being traced, if sharded
+# The replicated sharding of the program being traced, if sharded; the float dtype of the node
+# being lowered when its result is float64, else float32 (see ``float_dtype``).
+PROGRAM = {"replicated": None, "float": np.dtype(np.float32)}
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
+def float_dtype():
+    """The dtype a rule computes integers (or Python numbers alone) in where PyTorch's result is a
+    float of the default dtype (``int_tensor / 3``, ``int_tensor.sqrt()``, ``n / 2`` of numbers in
+    a compiled step): float64 when the node's result is float64 (the default dtype is float64, or
+    the numbers are Python's), else float32. Computed in float32 and cast, a float64 result would
+    be float32's value."""
+    return PROGRAM["float"]
 
 
 def combine(x, idx, values, how: str):
@@ -142,6 +154,7 @@ def apply_rule(op, rule, template, args, shape, dtype, outputs=None):
     arguments; the result conformed to ``shape``/``dtype`` (or per ``outputs`` of a multi-output
     op)."""
     targs, tkwargs = template
+    PROGRAM["float"] = _F64 if dtype is not None and to_numpy_dtype(dtype) == _F64 else _F32
     try:
         out = rule(*thaw(targs, args), **{k: thaw(v, args) for k, v in tkwargs})
     except LoweringError:
