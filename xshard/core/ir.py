@@ -27,6 +27,9 @@ xshard's own ops (strings, ``"xshard.*"``):
 =========================  =========================================================================
 ``RNG_KEY``                threefry key data for one random op: the stream's seed and counter (two
                            scalars) folded into a key (see xshard.core.rng)
+``WEAK``                   the input (0-dim, of a Python number's dtype: bool, int64, float64 or
+                           complex128), weakly typed: a Python number computed in the graph (a
+                           compiled step's number argument, see ``weak``)
 ``CONSTRAIN``              the input, laid out as the jax sharding in the template says at this point
 ``SHARD_OUTPUT``           the input padded to the template's shape, laid out as its sharding: how
                            an annotated result leaves a graph (jax.Array refuses uneven shardings)
@@ -67,6 +70,7 @@ OUTPUT = "xshard.output"
 
 RNG_KEY = "xshard.rng_key"
 CONSTRAIN = "xshard.sharding_constraint"
+WEAK = "xshard.weak"
 SHARD_OUTPUT = "xshard.shard_output"
 PARTIAL_SUM = "xshard.partial_sum"
 SCATTERED_SUM = "xshard.scattered_sum"
@@ -85,9 +89,9 @@ PPERMUTE = "xshard.ppermute"
 # Ops the graph interpreter handles itself (no lowering rule).
 STRUCTURAL = (DATA, SCALAR, OUTPUT)
 # xshard's computed ops; each has a rule in xshard.core.lowering.xshard_ops.
-XSHARD_OPS = (RNG_KEY, CONSTRAIN, SHARD_OUTPUT, PARTIAL_SUM, SCATTERED_SUM, PER_DEVICE, FIRST_ROW,
-              BARRIER, CSE_BARRIER, MANUAL_ENTER, MANUAL_REGION, ALL_REDUCE, ALL_GATHER,
-              REDUCE_SCATTER, ALL_TO_ALL, PPERMUTE)
+XSHARD_OPS = (RNG_KEY, WEAK, CONSTRAIN, SHARD_OUTPUT, PARTIAL_SUM, SCATTERED_SUM, PER_DEVICE,
+              FIRST_ROW, BARRIER, CSE_BARRIER, MANUAL_ENTER, MANUAL_REGION, ALL_REDUCE,
+              ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, PPERMUTE)
 BARRIERS = (BARRIER, CSE_BARRIER)
 
 
@@ -327,6 +331,19 @@ def scalar_node(value, dtype=None) -> Node:
         return Node(SCALAR, payload=value, shape=(), dtype=_WEAK_DTYPES[type(value)],
                     template="weak")
     return Node(SCALAR, payload=value, shape=(), dtype=dtype, template="strong")
+
+
+# A Python number's type -> the dtype its value has in a graph, and back.
+NUMBER_TYPES = {dtype: kind for kind, dtype in _WEAK_DTYPES.items()}
+
+
+def weak(value: Node) -> Node:
+    """``value``, a 0-dim node of a Python number's dtype, standing for a Python number: an op
+    promotes it as ATen promotes a number (``bf16_0d * s`` stays bfloat16; ``f32_tensor * s``
+    computes with ``s`` rounded to float32 once), and an op of such numbers alone computes as
+    Python does (in float64 or int64), giving another. See [Note: numbers in a graph] in
+    xshard.core.record."""
+    return Node(WEAK, (value,), ((slot(0),), ()), (), value.dtype)
 
 
 def output_node(multi: Node, index: int) -> Node:

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from xshard.core import ir, rng
 from xshard.core.backend import DEVICE_TYPE
@@ -27,6 +27,7 @@ from xshard.core.execute import upload_node
 from xshard.core.ops import META_ARGUMENTS, NO_DEFAULT, facts
 
 aten = torch.ops.aten
+_WEAK = ir.WEAK
 
 
 class DeviceMismatchError(RuntimeError):
@@ -46,24 +47,29 @@ class Frozen:
     tensor read), for calls that only need the metadata.
     """
 
-    __slots__ = ("inputs", "key", "nodes", "index_args")
+    __slots__ = ("inputs", "key", "nodes", "index_args", "numbers")
 
     def __init__(self, code, nodes=True, index_args=False):
         self.inputs = []
         self.key = [code]
         self.nodes = nodes
         self.index_args = index_args
+        self.numbers = False  # whether a tensor standing for a Python number was passed
 
     def tensor(self, t):
         inputs = self.inputs
         if isinstance(t, LazyTensor):
-            if not self.nodes:
-                inputs.append(None)
-            elif t._chain:
-                inputs.append(t._value())
+            if t._chain:
+                inputs.append(t._value() if self.nodes else None)
+                self.key.append(t._meta)
             else:
-                inputs.append(t._cell.value)
-            self.key.append(t._meta)
+                value = t._cell.value
+                inputs.append(value if self.nodes else None)
+                if value.op is _WEAK:  # see [Note: numbers in a graph]
+                    self.numbers = True
+                    self.key.append(("number", value.dtype))
+                else:
+                    self.key.append(t._meta)
         elif t.device.type == "cpu" and t.dim() == 0:
             # A 0-dim CPU tensor, allowed with device tensors as on CUDA: a strongly typed scalar
             # input (its value read now, as eager reads it at the call), not an upload.
@@ -163,12 +169,16 @@ def to_meta(x):
     return x
 
 
-def meta(func, args, kwargs, key: tuple):
+def meta(func, args, kwargs, key: tuple, numbers: bool = False):
     """``(spec, node key)`` of a call: the output spec PyTorch's meta kernel gives (``("t", shape,
-    stride, dtype, offset)``, ``("seq", type, specs)`` or ``("const", value)``), cached by ``key``."""
+    stride, dtype, offset)``, ``("seq", type, specs)`` or ``("const", value)``), cached by ``key``.
+    ``numbers``: whether tensors standing for Python numbers were passed (see [Note: numbers in a
+    graph])."""
     cache = _cache(_META)
     entry = cache.get(key)
     if entry is None:
+        if numbers:
+            return _number_meta(func, args, kwargs, key, cache)
         args, kwargs = tree_map(to_meta, args), tree_map(to_meta, kwargs)
         adapt = META_ARGUMENTS.get(func)
         if adapt is not None:
@@ -178,6 +188,112 @@ def meta(func, args, kwargs, key: tuple):
         entry = cache[key] = (_describe(out),
                               ir.intern_key(("call", key, torch.get_default_dtype())))
     return entry
+
+
+# [Note: numbers in a graph]
+# A compiled step's Python number argument (xshard.step) is a value of the graph, fed anew on each
+# call, yet eager computes with a Python number: ``bf16_0d * s`` stays bfloat16, ``uint8_0d * 3``
+# wraps around in uint8, a float64 model multiplies by ``s`` itself, and ``1 - s`` is Python's
+# float64 arithmetic. So such a value is a ``WEAK`` node (float64, int64, bool or complex128, the
+# number's own precision) and a tensor holding one, unviewed, stands for a number where ops read
+# it:
+# - PyTorch's meta kernel infers the call with the Python number itself where the op takes one:
+#   the arithmetic ops that accept numbers for tensors (``mul``, ``add``, ``div``...: PyTorch's
+#   own list), else the overload of the same op taking a ``Scalar`` there (``pow.Tensor_Tensor``
+#   as ``pow.Tensor_Scalar``, ``gt.Tensor`` as ``gt.Scalar``, ``clamp.Tensor``, ``where.self`` as
+#   ``where.ScalarOther``): what eager's call with the number dispatches to. An op with neither
+#   (``maximum``, which eager refuses a number) takes a 0-dim tensor of the default dtype (int64
+#   for an int).
+# - An op whose tensors all stand for numbers computes as Python does: in float64 or int64
+#   (``n / 2`` is a float), and its 0-dim result of such a dtype is a number too.
+# The lowering rules already promote weakly typed values as numbers (table.is_weak): the WEAK
+# node's lowering marks the value weak for JAX, and each result is cast to the meta kernel's
+# dtype. A view of such a tensor, or a tensor it was copied into, is an ordinary tensor.
+
+
+def _number_meta(func, args, kwargs, key, cache):
+    """``meta`` of a call passed tensors that stand for Python numbers (see [Note: numbers in a
+    graph])."""
+    default = torch.get_default_dtype()
+    alone = not any(isinstance(x, torch.Tensor) and not is_number(x)
+                    for x in tree_leaves((args, kwargs)))
+    if alone:  # Python's arithmetic: in float64 (``n / 2`` too) or int64
+        as_meta, infer_in = _as_tensor, torch.float64
+    elif torch._C._should_allow_numbers_as_tensors(func._schema.name.split("::")[-1]):
+        as_meta, infer_in = _as_python, default
+    else:  # the overload eager's call with the number dispatches to, if the op has one
+        scalar = _scalar_overload(func, args, kwargs)
+        infer_in = default
+        if scalar is None:
+            as_meta = _as_default_tensor
+        else:
+            func, as_meta = scalar, _as_python
+    args, kwargs = tree_map(as_meta, args), tree_map(as_meta, kwargs)
+    args, kwargs = tree_map(to_meta, args), tree_map(to_meta, kwargs)
+    torch.set_default_dtype(infer_in)
+    try:
+        out = func(*args, **kwargs)
+    finally:
+        torch.set_default_dtype(default)
+    _check_supported(func, out)
+    entry = cache[key] = (_describe(out), ir.intern_key(("call", key, default)))
+    return entry
+
+
+def is_number(x) -> bool:
+    """Whether ``x`` is a tensor standing for a Python number (see [Note: numbers in a graph])."""
+    return isinstance(x, LazyTensor) and not x._chain and x._cell.value.op is _WEAK
+
+
+def number_result(node, spec, args, kwargs):
+    """``node``, the result of a call passed numbers, as a number when the call's tensors all
+    stand for numbers and it is a 0-dim value of a number's dtype."""
+    if spec[0] == "t" and not spec[1] and spec[3] in ir.NUMBER_TYPES and not any(
+            isinstance(x, torch.Tensor) and not is_number(x)
+            for x in tree_leaves((args, kwargs))):
+        return ir.weak(node)
+    return node
+
+
+def _as_python(x):
+    """A number's tensor as a Python number of its type (its value does not change what the meta
+    kernel infers)."""
+    return ir.NUMBER_TYPES[x.dtype](1) if is_number(x) else x
+
+
+def _as_tensor(x):
+    return torch.empty((), dtype=x.dtype, device="meta") if is_number(x) else x
+
+
+def _as_default_tensor(x):
+    if not is_number(x):
+        return x
+    default = torch.get_default_dtype()
+    if x.dtype == torch.float64:
+        dtype = default
+    elif x.dtype == torch.complex128:
+        dtype = torch.complex128 if default == torch.float64 else torch.complex64
+    else:  # int64, bool
+        dtype = x.dtype
+    return torch.empty((), dtype=dtype, device="meta")
+
+
+def _scalar_overload(func, args, kwargs):
+    """The overload of ``func``'s op taking a ``Scalar`` where ``func`` takes each tensor that
+    stands for a number, and the same arguments elsewhere (``pow.Tensor_Tensor`` for
+    ``x ** s`` -> ``pow.Tensor_Scalar``), else None."""
+    schema = func._schema.arguments
+    passed = dict(zip((a.name for a in schema), args))
+    passed.update(kwargs)
+    numbers = {a.name for a in schema if is_number(passed.get(a.name))}
+    want = [(a.name, str(a.type).replace("Tensor", "number") if a.name in numbers
+             else str(a.type)) for a in schema]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        if [(a.name, str(a.type)) for a in overload._schema.arguments] == want:
+            return overload
+    return None
 
 
 def check_range(func, f, args, kwargs, dtype) -> None:
@@ -220,7 +336,7 @@ def record(func, f, args, kwargs):
     template, rec = freeze_call(f, args, kwargs)
     key = tuple(rec.key)
     try:
-        spec, node_key = meta(func, args, kwargs, key)
+        spec, node_key = meta(func, args, kwargs, key, rec.numbers)
     except (NotImplementedError, torch._subclasses.fake_tensor.DataDependentOutputException,
             ZeroDivisionError) as e:
         # (A meta kernel that divides by an element count fails on empty inputs that eager
@@ -228,7 +344,8 @@ def record(func, f, args, kwargs):
         raise NoMeta(str(e)) from e
     if f.range_checked and spec[0] == "t":
         check_range(func, f, args, kwargs, spec[3])
-    return spec, _node(func, f, tuple(rec.inputs), template, spec, node_key)
+    node = _node(func, f, tuple(rec.inputs), template, spec, node_key)
+    return spec, number_result(node, spec, args, kwargs) if rec.numbers else node
 
 
 def _node(func, f, inputs, template, spec, node_key):
@@ -265,9 +382,9 @@ def mutate(func, f, args, kwargs):
         if f.out_names:  # an out= of another shape is resized below, with its one warning
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "An output with one or more elements")
-                meta(func, args, kwargs, tuple(rec.key))
+                meta(func, args, kwargs, tuple(rec.key), rec.numbers)
         else:
-            meta(func, args, kwargs, tuple(rec.key))
+            meta(func, args, kwargs, tuple(rec.key), rec.numbers)
     except NotImplementedError:
         pass
     if f.out_names:
@@ -358,8 +475,8 @@ def _inplace(func, f, functional, args, kwargs):
     cache = _cache(_INPLACE)
     entry = cache.get(key)
     if entry is None:
-        meta(func, args, kwargs, key)  # PyTorch's own checks: broadcast into self, casts
-        entry = meta(functional, args, kwargs, (ff.code,) + key[1:])
+        meta(func, args, kwargs, key, rec.numbers)  # PyTorch's checks: broadcast, casts
+        entry = meta(functional, args, kwargs, (ff.code,) + key[1:], rec.numbers)
         if func not in _IN_OWN_DTYPE:
             _check_cast(entry[0], args[0])
         cache[key] = entry
@@ -367,6 +484,8 @@ def _inplace(func, f, functional, args, kwargs):
         check_range(func, f, args, kwargs, args[0].dtype)
     spec, node_key = entry
     node = _node(functional, ff, tuple(rec.inputs), template, spec, node_key)
+    if rec.numbers:
+        node = number_result(node, spec, args, kwargs)
     target = args[0]
     if spec[0] == "seq":
         for i, dst in enumerate(target):

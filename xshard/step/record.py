@@ -186,11 +186,13 @@ class Recording:
         rates = optim_support.lift_rates(roots.optimizers)
         numbers = {}
         for i in args.number_positions():
+            # A tensor standing for the number (see [Note: numbers in a graph] in
+            # xshard.core.record): it promotes as the number, in its own precision.
             value = leaves[i]
-            dtype = torch.get_default_dtype() if type(value) is float else torch.int64
-            t = api.new_tensor(api.upload(torch.tensor(value, dtype=dtype)))
-            numbers[id(api.value(t))] = (i, to_numpy_dtype(dtype))
-            leaves[i] = t
+            data = api.upload(torch.tensor(value, dtype=torch.float64 if type(value) is float
+                                           else torch.int64))
+            leaves[i] = api.new_tensor(ir.weak(data))
+            numbers[id(data)] = (i, to_numpy_dtype(data.dtype), api.storage(leaves[i]))
 
         wrapped = {}  # id(storage) -> (storage, entry node, wrapper node)
         for obj in entry:
@@ -567,8 +569,10 @@ class Recording:
         # Pending storages that no slot or result holds: values the step kept elsewhere (a list,
         # a module attribute that is not a buffer). A replay cannot update them, so they are left
         # out, and reading one says why.
+        arguments = {id(storage) for _, _, storage in numbers.values()}  # the step's own
         stray = [s for s in api.pending_storages()
-                 if id(s) not in destination and id(s) not in accounted and id(s) not in wrapped]
+                 if id(s) not in destination and id(s) not in accounted and id(s) not in wrapped
+                 and id(s) not in arguments]
         # State the step changed and then let go of (a gradient accumulated, then set to None by
         # zero_grad): no slot holds it any more, so it is left out as well, without a warning;
         # it reads the step's inputs, which the step may consume.
@@ -784,7 +788,7 @@ class Recording:
                 inputs.append(("lr", Rate(r.optimizer, r.group, to_numpy_dtype(r.dtype),
                                           shardings[k]), None))
             elif id(node) in numbers:
-                i, dtype = numbers[id(node)]
+                i, dtype, _ = numbers[id(node)]
                 inputs.append(("number", i, dtype))
             elif id(node) in draws:
                 # The stream's seed (offset None) or a draw's counter (its offset from the start).
