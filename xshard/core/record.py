@@ -281,17 +281,22 @@ def _as_default_tensor(x):
 def _scalar_overload(func, args, kwargs):
     """The overload of ``func``'s op taking a ``Scalar`` where ``func`` takes each tensor that
     stands for a number, and the same arguments elsewhere (``pow.Tensor_Tensor`` for
-    ``x ** s`` -> ``pow.Tensor_Scalar``), else None."""
+    ``x ** s`` -> ``pow.Tensor_Scalar``; ``_foreach_div_.Tensor(self, other)`` ->
+    ``_foreach_div_.Scalar(self, scalar)``, a number passed by position), else None."""
     schema = func._schema.arguments
     passed = dict(zip((a.name for a in schema), args))
     passed.update(kwargs)
     numbers = {a.name for a in schema if is_number(passed.get(a.name))}
     want = [(a.name, str(a.type).replace("Tensor", "number") if a.name in numbers
              else str(a.type)) for a in schema]
+    renamable = numbers - kwargs.keys()
     packet = func.overloadpacket
     for name in packet.overloads():
         overload = getattr(packet, name)
-        if [(a.name, str(a.type)) for a in overload._schema.arguments] == want:
+        have = [(a.name, str(a.type)) for a in overload._schema.arguments]
+        if len(have) == len(want) and all(
+                h[1] == w[1] and (h[0] == w[0] or w[0] in renamable)
+                for h, w in zip(have, want)):
             return overload
     return None
 

@@ -87,15 +87,17 @@ class LiftedRate:
     def __init__(self, optimizer, group: int):
         self.optimizer, self.group = optimizer, group
         self.original = optimizer.param_groups[group]["lr"]
-        self.dtype = torch.get_default_dtype()
-        value = torch.tensor(host_rate(self.original), dtype=self.dtype)
+        # A number, as torch.optim's own rates are: float64, promoting as a Python float (see
+        # [Note: numbers in a graph] in xshard.core.record): a float64 model steps by the rate
+        # itself, not by its float32 rounding.
+        self.dtype = torch.float64
+        self.input = api.upload(torch.tensor(host_rate(self.original), dtype=self.dtype))
         # Requiring grad steers SGD's for-loop form to its tensor-rate path (no other optimizer
         # looks; Rprop passes the rate where PyTorch takes a number, which refuses one that
         # requires grad). Not being a leaf lets a scheduler stepped inside the function write it
         # in place (and be caught doing so).
-        leaf = api.new_tensor(api.upload(value),
+        leaf = api.new_tensor(ir.weak(self.input),
                               requires_grad=isinstance(optimizer, torch.optim.SGD))
-        self.input = api.value(leaf)  # the data node the program reads
         self.tensor = leaf.clone()
         self.node = api.value(self.tensor)
         self.read_at = None  # the line where torch.optim read it as a Python number
@@ -169,7 +171,7 @@ def rates_read(tensor, rates) -> list[LiftedRate]:
         rate = inputs.get(id(node))
         if rate is not None:
             found[id(rate)] = rate
-        elif node.op is ir.DATA or node.op in ir.XSHARD_OPS:
+        elif node.op is ir.DATA or node.op in ir.XSHARD_OPS and node.op is not ir.WEAK:
             return []  # state, arguments, constants, random numbers
         else:
             stack.extend(node.inputs)
