@@ -350,7 +350,9 @@ class Program:
                     return f"{type(m).__name__}.training: {v} -> {m.training}"
         if self.settings:
             now = [d.get(k, _MISSING) for d, k in self.settings]
-            if now != self.setting_values or list(map(type, now)) != self.setting_types:
+            # The same objects first: settings are immutable, and this reads none of them.
+            if not _same_objects(now, self.setting_values) and (
+                    now != self.setting_values or list(map(type, now)) != self.setting_types):
                 reason = self._setting_difference(now)
                 if reason:
                     return reason
