@@ -215,9 +215,7 @@ def _number_meta(func, args, kwargs, key, cache):
     """``meta`` of a call passed tensors that stand for Python numbers (see [Note: numbers in a
     graph])."""
     default = torch.get_default_dtype()
-    alone = not any(isinstance(x, torch.Tensor) and not is_number(x)
-                    for x in tree_leaves((args, kwargs)))
-    if alone:  # Python's arithmetic: in float64 (``n / 2`` too) or int64
+    if _numbers_alone(args, kwargs):  # Python's arithmetic: in float64 (``n / 2`` too) or int64
         as_meta, infer_in = _as_tensor, torch.float64
     elif torch._C._should_allow_numbers_as_tensors(func._schema.name.split("::")[-1]):
         as_meta, infer_in = _as_python, default
@@ -245,12 +243,17 @@ def is_number(x) -> bool:
     return isinstance(x, LazyTensor) and not x._chain and x._cell.value.op is _WEAK
 
 
+def _numbers_alone(args, kwargs) -> bool:
+    """Whether every tensor of a call stands for a number."""
+    return not any(isinstance(x, torch.Tensor) and not is_number(x)
+                   for x in tree_leaves((args, kwargs)))
+
+
 def number_result(node, spec, args, kwargs):
     """``node``, the result of a call passed numbers, as a number when the call's tensors all
     stand for numbers and it is a 0-dim value of a number's dtype."""
-    if spec[0] == "t" and not spec[1] and spec[3] in ir.NUMBER_TYPES and not any(
-            isinstance(x, torch.Tensor) and not is_number(x)
-            for x in tree_leaves((args, kwargs))):
+    if spec[0] == "t" and not spec[1] and spec[3] in ir.NUMBER_TYPES and \
+            _numbers_alone(args, kwargs):
         return ir.weak(node)
     return node
 
