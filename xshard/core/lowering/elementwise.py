@@ -45,6 +45,15 @@ def _erfcx(x):
     return out.astype(x.dtype)
 
 
+def _log_ndtr(x):
+    """log of the normal CDF, as ATen computes it: ``log1p(-erfc(x / sqrt 2) / 2)`` from -1 up,
+    ``log(erfcx(-t) / 2) - t**2`` below. jax's takes ``log(ndtr(x))`` for large x, where ndtr
+    rounds to 1: at 5, float32's was 4% off (-2.98e-7 for -2.87e-7), float64's 7% at 8."""
+    t = x * np.asarray(np.sqrt(0.5), x.dtype)
+    low = jnp.log(_erfcx(-t) / 2) - t * t
+    return jnp.where(x < -1, low, jnp.log1p(-jax.scipy.special.erfc(t) / 2))
+
+
 _UNARY_FLOAT = {
     aten.exp: jnp.exp, aten.exp2: jnp.exp2, aten.expm1: jnp.expm1, aten.log: jnp.log,
     aten.log2: jnp.log2, aten.log10: jnp.log10, aten.log1p: jnp.log1p, aten.sqrt: jnp.sqrt,
@@ -64,7 +73,7 @@ _UNARY_FLOAT = {
     aten.reciprocal: jnp.reciprocal, aten.deg2rad: jnp.deg2rad, aten.rad2deg: jnp.rad2deg,
     aten.sinc: jnp.sinc,
     aten.special_ndtri: jax.scipy.special.ndtri, aten.special_ndtr: jax.scipy.special.ndtr,
-    aten.special_log_ndtr: jax.scipy.special.log_ndtr, aten.special_erfcx: _erfcx,
+    aten.special_log_ndtr: _log_ndtr, aten.special_erfcx: _erfcx,
     aten.special_entr: jax.scipy.special.entr,
 }
 for _op, _fn in _UNARY_FLOAT.items():
