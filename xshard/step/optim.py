@@ -171,7 +171,7 @@ def rates_read(tensor, rates) -> list[LiftedRate]:
         rate = inputs.get(id(node))
         if rate is not None:
             found[id(rate)] = rate
-        elif node.op is ir.DATA or node.op in ir.XSHARD_OPS and node.op is not ir.WEAK:
+        elif node.op is ir.DATA or (node.op in ir.XSHARD_OPS and node.op is not ir.WEAK):
             return []  # state, arguments, constants, random numbers
         else:
             stack.extend(node.inputs)
