@@ -23,7 +23,6 @@ from xshard.core.lowering import RULES, LoweringError, apply_rule, table
 from xshard.core.padding import crop_array
 
 jax = runtime.jax_module()
-from jax._src.lax import lax as _lax_internal  # noqa: E402
 
 log = logging.getLogger("xshard")
 
@@ -69,7 +68,7 @@ class Program:
                 vals.append(crop_array(inputs[a], b))
             elif kind == "scalar":
                 x = inputs[a]
-                vals.append(_lax_internal._convert_element_type(x, weak_type=True) if b else x)
+                vals.append(table.weak_typed(x) if b else x)
             else:
                 vals.append(vals[a][b])
         return tuple(vals[o] for o in self.outputs)

@@ -13,6 +13,7 @@ from xshard.core.ir import Slot
 
 jnp = runtime.jax_module().numpy
 lax = runtime.jax_module().lax
+from jax._src.lax import lax as _lax_internal  # noqa: E402
 
 RULES: dict = {}
 
@@ -92,6 +93,11 @@ HALF_FLOATS = (np.dtype(np.float16), np.dtype(jnp.bfloat16))
 def is_weak(x) -> bool:
     """A Python number, or an array standing for one (weakly typed: it promotes as a number)."""
     return getattr(x, "weak_type", False) or isinstance(x, (bool, int, float, complex))
+
+
+def weak_typed(x):
+    """``x`` weakly typed: JAX, and the rules (``is_weak``), promote it as a Python number."""
+    return _lax_internal._convert_element_type(x, weak_type=True)
 
 
 def in_float32(fn):

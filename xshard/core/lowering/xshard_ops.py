@@ -7,14 +7,13 @@ import dataclasses
 import torch
 
 from xshard.core import ir, runtime
-from xshard.core.lowering.table import RULES, apply_rule
+from xshard.core.lowering.table import RULES, apply_rule, weak_typed
 from xshard.core.padding import pad_array
 
 jax = runtime.jax_module()
 jnp = jax.numpy
 lax = jax.lax
 import jax.extend.random as jax_random  # noqa: E402
-from jax._src.lax import lax as _lax_internal  # noqa: E402
 
 
 def _rng_key(seed, counter):
@@ -29,12 +28,6 @@ def _rng_key(seed, counter):
                 lax.convert_element_type(x & 0xFFFFFFFF, jnp.uint32))
 
     return jax_random.threefry_2x32(halves(seed), jnp.stack(halves(counter)))
-
-
-def _weak(x):
-    """``x`` weakly typed: JAX promotes it as a Python number, as the lowering rules do (see
-    ``table.is_weak``)."""
-    return _lax_internal._convert_element_type(x, weak_type=True)
 
 
 def _constrain(x, sharding):
@@ -145,7 +138,7 @@ def _all_reduce(x, names, op):
 
 RULES.update({
     ir.RNG_KEY: _rng_key,
-    ir.WEAK: _weak,
+    ir.WEAK: weak_typed,
     ir.CONSTRAIN: _constrain,
     ir.SHARD_OUTPUT: _shard_output,
     ir.PARTIAL_SUM: _partial_sum,
